@@ -71,7 +71,7 @@ def compute_logits(params, hidden):
 
 
 def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, block_tables,
-                     lengths, slots, write_ok, tree_mask, key_mask):
+                     lengths, slots, write_ok, tree_mask, keys_seen):
     b, t, _ = x.shape
     hd = config.head_dim
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
@@ -85,7 +85,7 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     v = v.reshape(b, t, config.num_kv_heads, hd)
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     attn = tree_paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, tree_mask,
-                                          key_mask=key_mask)
+                                          key_mask=keys_seen)
     return x + attn.reshape(b, t, -1) @ layer["wo"], k_pages, v_pages
 
 
@@ -95,10 +95,12 @@ def _mlp_block(layer, config: ModelConfig, x):
     return x + (jax.nn.silu(gate) * up) @ layer["w_down"]
 
 
-def _key_mask(config: ModelConfig, cache: PagedKVCache, positions, tree_mask):
+def key_mask(config: ModelConfig, cache: PagedKVCache, positions, tree_mask):
     """bool[B, T, slots]: the keys each new token sees (with Mistral's sliding window applied).
 
-    Computed once per forward and shared by every layer.
+    tree_mask [B, T, J] covers the scratch slots lengths .. lengths + J - 1 (J = T unless the
+    tokens are written elsewhere, see `decoder_layers`). Computed once per forward and shared by
+    every layer.
     """
     num_slots = cache.capacity
     vis = visible_keys_mask(cache.lengths, tree_mask, num_slots)
@@ -107,32 +109,40 @@ def _key_mask(config: ModelConfig, cache: PagedKVCache, positions, tree_mask):
     slot = jnp.arange(num_slots)[None, :]
     rel = slot - cache.lengths[:, None]
     t = positions.shape[1]
-    new_pos = jnp.take_along_axis(positions, jnp.clip(rel, 0, t - 1), axis=1)
+    if tree_mask.shape[-1] == t:
+        new_pos = jnp.take_along_axis(positions, jnp.clip(rel, 0, t - 1), axis=1)
+    else:  # scratch keys of earlier calls: a draft tree, far shorter than any window
+        new_pos = jnp.broadcast_to(jnp.min(positions, axis=1, keepdims=True), rel.shape)
     key_pos = jnp.where(rel >= 0, new_pos, slot)  # committed slots sit at their own position
     near = positions[:, :, None] - key_pos[:, None, :] < config.sliding_window
     return vis & near
 
 
 def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCache, tree_mask,
-                   valid, capture=frozenset()):
+                   valid, capture=frozenset(), slots=None):
     """The decoder layers over input vectors x [B, T, D] (no embedding, no final norm).
 
     Returns (x, cache with the new K/V written, {layer index: output} for `capture`). A layer
     without `attn_norm` skips its input norm (EAGLE's first draft layer).
+    By default token i is written at slot lengths + i and tree_mask is [B, T, T]. Drafting a tree
+    over several calls passes `slots` (int32[B, T], each >= lengths) and a tree_mask [B, T, J]
+    over the scratch slots lengths .. lengths + J - 1, where earlier calls wrote the ancestors;
+    the caller then hides unwritten slots itself.
     """
     t = x.shape[1]
-    slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if slots is None:
+        slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        # Padding is not written: no query may see its slot, whose stale contents (even NaN)
+        # would otherwise reach real tokens' outputs as 0 * NaN through the padding queries.
+        tree_mask = tree_mask & valid[:, None, :]
     cos, sin = rope_cos_sin(config, positions)
-    # Padding is not written: no query may see its slot, whose stale contents (even NaN) would
-    # otherwise reach real tokens' outputs as 0 * NaN through the padding queries' reads.
-    tree_mask = tree_mask & valid[:, None, :]
-    key_mask = _key_mask(config, cache, positions, tree_mask)
+    keys_seen = key_mask(config, cache, positions, tree_mask)
     captured = {}
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
     for i, layer in enumerate(layers):
         x, k_all[i], v_all[i] = _attention_block(
             layer, config, x, cos, sin, k_all[i], v_all[i], cache.block_tables, cache.lengths,
-            slots, valid, tree_mask, key_mask)
+            slots, valid, tree_mask, keys_seen)
         x = _mlp_block(layer, config, x)
         if i in capture:
             captured[i] = x

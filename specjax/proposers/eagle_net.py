@@ -16,11 +16,12 @@ from specjax.model import decoder_layers
 
 
 def eagle_forward(params, config: ModelConfig, embed, tokens, features, positions,
-                  cache: PagedKVCache, tree_mask, valid=None):
+                  cache: PagedKVCache, tree_mask, valid=None, slots=None):
     """Draft hidden states [B, T, D] and the cache with the new K/V written.
 
     params: {"fc": {"kernel": [2D, D], "bias": [D]}, "layers": [...]}; embed: the target's
     [V, D] embedding; tokens [B, T] (token t + 1), features [B, T, D] (feature of token t).
+    slots / tree_mask [B, T, J]: see `model.decoder_layers` (tree drafting over several calls).
     """
     b, t = tokens.shape
     if valid is None:
@@ -29,7 +30,8 @@ def eagle_forward(params, config: ModelConfig, embed, tokens, features, position
     x = x @ params["fc"]["kernel"]
     if "bias" in params["fc"]:
         x = x + params["fc"]["bias"]
-    x, cache, _ = decoder_layers(params["layers"], config, x, positions, cache, tree_mask, valid)
+    x, cache, _ = decoder_layers(params["layers"], config, x, positions, cache, tree_mask, valid,
+                                 slots=slots)
     return x, cache
 
 
