@@ -26,6 +26,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) 
         return convert_medusa(src, out)
     if Path(src).is_dir() and is_eagle_dir(Path(src)):
         return convert_eagle(src, out)
+    from convert.redrafter import convert_redrafter, is_redrafter_dir
+
+    if Path(src).is_dir() and is_redrafter_dir(Path(src)):  # apple/ml-recurrent-drafter
+        return convert_redrafter(src, out)
     path = resolve_model_path(str(src))
     if to is None:
         to = "hf" if is_specjax_checkpoint(path) else "specjax"
