@@ -152,6 +152,7 @@ def cmd_generate(args) -> int:
     from specjax.loading import load_model
     from specjax.methods import make_proposer
     from specjax.sampling import SamplingConfig
+    from specjax.spec_decode import scratch_slots
 
     model = load_model(args.model)
     proposer, proposer_params = make_proposer(
@@ -166,8 +167,7 @@ def cmd_generate(args) -> int:
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))
                for i in range(0, len(texts), args.batch_size)]
-    longest = max(len(e) for e in encoded) + args.max_new_tokens + (
-        proposer.tree_size if proposer is not None else 1)
+    longest = max(len(e) for e in encoded) + args.max_new_tokens + scratch_slots(proposer)
     if args.cache_pages is None:
         per_seq = -(-bucket(longest) // args.page_size)
         pages = 2 * args.batch_size * per_seq

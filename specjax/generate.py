@@ -21,7 +21,7 @@ from specjax.cache import PageAllocator, PagedKVCache, block_table_array, init_p
 from specjax.config import ModelConfig
 from specjax.model import causal_mask, forward
 from specjax.sampling import SamplingConfig, sample_tokens
-from specjax.spec_decode import SpecContext, SpecState, init_proposer, spec_loop
+from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_loop
 
 
 class GenerationError(ValueError):
@@ -52,21 +52,26 @@ def bucket(n: int, minimum: int = 16, steps_per_octave: int = 4) -> int:
     return -(-n // step) * step
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def prefill(params, config: ModelConfig, cache: PagedKVCache, tokens, num_tokens):
+@functools.partial(jax.jit, static_argnames=("config", "feature_layers"),
+                   donate_argnames=("cache",))
+def prefill(params, config: ModelConfig, cache: PagedKVCache, tokens, num_tokens,
+            feature_layers: tuple = ()):
     """Write the K/V of tokens[b, :num_tokens[b]] after each sequence's committed prefix.
 
-    Returns the cache and the final hidden state [B, D] of each sequence's last written token
-    (the features that predicted the pending token; zeros when nothing was written).
+    Returns the cache, the features [B, F] of each sequence's last written token (the features
+    that predicted the pending token; zeros when nothing was written) and those of every token
+    [B, T, F]. Features are the final hidden state, or with `feature_layers` those layers'
+    outputs concatenated (EAGLE-3).
     """
     b, t = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < num_tokens[:, None]
     out = forward(params, config, tokens, positions, cache, causal_mask(b, t), valid=valid,
-                  logits_at=jnp.zeros((b, 0), jnp.int32))
-    last = jnp.take_along_axis(out.hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
+                  logits_at=jnp.zeros((b, 0), jnp.int32), hidden_layers=feature_layers)
+    hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
     last = jnp.where((num_tokens > 0)[:, None], last[:, 0], 0)
-    return out.cache.replace(lengths=cache.lengths + num_tokens), last, out.hidden
+    return out.cache.replace(lengths=cache.lengths + num_tokens), last, hidden
 
 
 def _is_eos(tokens, eos_ids):
@@ -190,7 +195,7 @@ class Engine:
         if len(seeds) != b:
             raise GenerationError(f"{len(seeds)} seeds for {b} prompts")
         lens = [len(p) for p in prompts]
-        scratch = proposer.tree_size if proposer is not None else 1
+        scratch = scratch_slots(proposer)
         total = [n + max_new_tokens + scratch for n in lens]
         page_lists, cached = [], []
         allocator = self.allocator  # pages go back to it even if a failure resets the pools
@@ -243,7 +248,8 @@ class Engine:
             chunk_arr[i, :len(c)] = c
         cache, features, chunk_hidden = prefill(self.params, self.config, cache,
                                                 jnp.asarray(chunk_arr),
-                                                jnp.asarray([len(c) for c in chunk], jnp.int32))
+                                                jnp.asarray([len(c) for c in chunk], jnp.int32),
+                                                tuple(getattr(proposer, "feature_layers", ())))
         if not warmup:
             for pages, p, n in zip(page_lists, prompts, lens):
                 self.allocator.register_prefix(pages, p[:n - 1])

@@ -41,7 +41,14 @@ class SpecContext:
 
 
 class Proposer(Protocol):
-    """The protocol every drafting method implements (a hashable, static object)."""
+    """The protocol every drafting method implements (a hashable, static object).
+
+    Optional attributes: `rule_options` (keyword arguments of the acceptance rule),
+    `needs_prompt_features` (init() reads every prompt token's features), `feature_layers`
+    (target layers whose concatenated outputs replace the final hidden state as features),
+    `draft_scratch` (cache slots past the committed tokens the proposer writes, when more than
+    `tree_size`).
+    """
 
     tree_size: int  # T, nodes per draft tree (root included)
     is_chain: bool  # trees are chains (commit needs no K/V moves)
@@ -80,6 +87,13 @@ class SpecState:
     accepted_hist: jax.Array  # int32[B, T]: steps that accepted exactly k drafted tokens
 
 
+def scratch_slots(proposer) -> int:
+    """Cache slots past each sequence's tokens a speculative step may write (1 for vanilla)."""
+    if proposer is None:
+        return 1
+    return max(proposer.tree_size, getattr(proposer, "draft_scratch", 0))
+
+
 def _step_keys(keys, lengths, salt: int):
     return jax.vmap(lambda k, n: jax.random.fold_in(jax.random.fold_in(k, n), salt))(keys, lengths)
 
@@ -101,7 +115,8 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     ctx = SpecContext(state.tokens, state.lengths, state.cache.block_tables, state.features)
     tree, pstate = proposer.propose(proposer_params, state.proposer_state, ctx,
                                     _step_keys(state.keys, state.lengths, 1), sampling)
-    logits, hidden, cache = verify_pruned(params, config, state.cache, tree)
+    logits, hidden, cache = verify_pruned(params, config, state.cache, tree,
+                                          getattr(proposer, "feature_layers", ()))
     result = accept(tree, logits, _step_keys(state.keys, state.lengths, 2), sampling,
                     proposer.rule, **getattr(proposer, "rule_options", {}))
     cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain)

@@ -36,14 +36,16 @@ def _prefix(tree: DraftTree, w: int) -> DraftTree:
                      logq)
 
 
-def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree):
+def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
+                  feature_layers: Sequence[int] = ()):
     """`verify`, run only as wide as the batch's last valid node needs.
 
     A verify of T tokens costs up to ~2x a single-token pass on a CPU (small matrix products
     turn compute-bound), so when no sequence drafted anything (Prompt-Lookup without a match)
     the step costs what vanilla decoding costs. Nodes past the chosen width are invalid; their
     logits and hidden states come back as zeros. Returns (logits [B, T, V], hidden [B, T, D],
-    cache).
+    cache); with `feature_layers` the hidden states are those layers' outputs concatenated
+    (EAGLE-3's features) instead of the final normed state.
     """
     t = tree.size
     widths = verify_widths(t)
@@ -53,9 +55,10 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
 
     def run(w):
         def f(cache):
-            out = verify(params, config, cache, _prefix(tree, w))
+            out = verify(params, config, cache, _prefix(tree, w), hidden_layers=feature_layers)
+            hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
             pad = ((0, 0), (0, t - w), (0, 0))
-            return jnp.pad(out.logits, pad), jnp.pad(out.hidden, pad), out.cache
+            return jnp.pad(out.logits, pad), jnp.pad(hidden, pad), out.cache
         return f
 
     return jax.lax.switch(branch, [run(w) for w in widths], cache)

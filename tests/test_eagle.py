@@ -10,7 +10,7 @@ import pytest
 
 from specjax import Engine, ModelConfig, init_params
 from specjax.model import lm_head_weight
-from specjax.proposers.eagle import EagleChainProposer
+from specjax.proposers.eagle import EagleChainProposer, EagleDynamicProposer, EagleTreeProposer
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=512)
@@ -97,3 +97,121 @@ def test_update_rebuilds_pairs_with_true_features(target):
                                rtol=1e-4, atol=1e-5)
     for a, b in zip(updated.k_pages, long.k_pages):  # slots 0..11 live in pages 0..2
         np.testing.assert_allclose(np.asarray(a[:, :3]), np.asarray(b[:, :3]), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees: EAGLE-1 (static) and EAGLE-2 (dynamic)
+
+TREE_PROPOSERS = {
+    "eagle1-default": lambda cfg: EagleTreeProposer(cfg),
+    "eagle1-small": lambda cfg: EagleTreeProposer(cfg, eagle_choices=((0, 0, 0), (1, 0), (2,))),
+    "eagle2-small": lambda cfg: EagleDynamicProposer(cfg, total_tokens=12, depth=3, top_k=3),
+    "eagle2-default": lambda cfg: EagleDynamicProposer(cfg),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TREE_PROPOSERS))
+def test_tree_greedy_equals_vanilla(target, name):
+    draft_cfg, net = random_eagle(jax.random.PRNGKey(3))
+    proposer = TREE_PROPOSERS[name](draft_cfg)
+    pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(PROMPTS, 24, eos_token_ids=())
+    spec = eng.generate(PROMPTS, 24, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    assert spec.token_ids == vanilla.token_ids
+
+
+def _draft_state(target, proposer, pparams, prompt):
+    """Proposer state and context after prefilling `prompt` (batch 1)."""
+    from specjax import PagedKVCache
+    from specjax.cache import init_pages
+    from specjax.generate import prefill
+    from specjax.spec_decode import SpecContext
+
+    n = len(prompt)
+    k, v = init_pages(CFG, 32, 4)
+    table = jnp.arange(24, dtype=jnp.int32)[None]
+    cache = PagedKVCache(k, v, table, jnp.zeros(1, jnp.int32))
+    chunk = jnp.zeros((1, 16), jnp.int32).at[0, :n - 1].set(jnp.asarray(prompt[:-1]))
+    cache, last, hidden = prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]))
+    buf = jnp.zeros((1, 96), jnp.int32).at[0, :n].set(jnp.asarray(prompt))
+    ctx = SpecContext(buf, jnp.asarray([n]), cache.block_tables, last, prompt_hidden=hidden)
+    state = proposer.init(pparams, proposer.make_pools(32, 4, jnp.float32), ctx, chunk,
+                          jnp.asarray([n - 1]))
+    return state, ctx
+
+
+def _chain_top(proposer, pparams, state, ctx, path, k):
+    """The draft's k best tokens after the drafted tokens `path`, drafted one by one (a chain,
+    no tree attention): what tree drafting must reproduce at every node."""
+    cache = state.cache(ctx.block_tables)
+    h = state.next_hidden
+    for tok in path:
+        out, cache = proposer._run_chain(pparams, cache, jnp.asarray([[tok]]), h[:, None],
+                                         cache.lengths, jnp.ones((1, 1), bool))
+        cache = cache.replace(lengths=cache.lengths + 1)
+        h = out[:, 0]
+    logp, ids = proposer._top(pparams, h, k)
+    return [int(i) for i in ids[0]], [float(x) for x in logp[0]]
+
+
+def _paths(tree):
+    import numpy as np
+
+    parent, tokens, valid = (np.asarray(a[0]) for a in (tree.parent, tree.tokens, tree.valid))
+    paths = {0: []}
+    for i in range(1, len(parent)):
+        if valid[i]:
+            paths[i] = paths[int(parent[i])] + [int(tokens[i])]
+    return paths
+
+
+def test_static_tree_nodes_are_the_drafts_ranked_tokens(target):
+    """Node i of an EAGLE-1 tree holds the rank[i]-th best draft token after its root path."""
+    from specjax.draft_tree import static_tree
+
+    draft_cfg, net = random_eagle(jax.random.PRNGKey(7), scale=0.5)
+    proposer = EagleTreeProposer(draft_cfg)
+    pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
+    state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0])
+    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    _, depth, rank = static_tree(proposer.eagle_choices)
+    for i, path in _paths(tree).items():
+        if i:
+            ids, _ = _chain_top(proposer, pparams, state, ctx, path[:-1], 4)
+            assert path[-1] == ids[rank[i]], (i, path)
+    assert [len(p) for p in _paths(tree).values()] == list(depth)
+
+
+@pytest.mark.parametrize("total,depth,top_k", [(12, 3, 3), (63, 5, 8), (6, 4, 1)])
+def test_dynamic_tree_is_valid_and_best_first(target, total, depth, top_k):
+    """EAGLE-2 trees: parents precede children, depth = parent depth + 1, no duplicate sibling
+    tokens, every node is one of the top_k draft tokens after its path, and the kept nodes are
+    the candidates of highest cumulative log-probability."""
+    import numpy as np
+
+    draft_cfg, net = random_eagle(jax.random.PRNGKey(11), scale=0.5)
+    proposer = EagleDynamicProposer(draft_cfg, total_tokens=total, depth=depth, top_k=top_k)
+    pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
+    state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0])
+    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    parent, dep, tok, valid = (np.asarray(a[0]) for a in (tree.parent, tree.depth, tree.tokens,
+                                                           tree.valid))
+    assert valid.all() and tree.size == total
+    assert parent[0] == -1 and dep[0] == 0
+    assert all(0 <= parent[i] < i and dep[i] == dep[parent[i]] + 1 for i in range(1, total))
+    siblings = {(int(parent[i]), int(tok[i])) for i in range(1, total)}
+    assert len(siblings) == total - 1
+    assert dep.max() <= depth + 1
+    # A plain re-implementation of EAGLE-2's selection over chain-drafted distributions.
+    layer = [((t,), lp) for t, lp in zip(*_chain_top(proposer, pparams, state, ctx, [], top_k))]
+    candidates = list(layer)
+    for _ in range(depth):
+        children = []
+        for path, s in layer:
+            ids, logp = _chain_top(proposer, pparams, state, ctx, list(path), top_k)
+            children += [(path + (t,), s + lp) for t, lp in zip(ids, logp)]
+        candidates += children
+        layer = sorted(children, key=lambda c: -c[1])[:top_k]
+    best = sorted(candidates, key=lambda c: -c[1])[:total - 1]
+    assert {p for p, _ in best} == {tuple(p) for i, p in _paths(tree).items() if i}

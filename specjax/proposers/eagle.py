@@ -1,11 +1,23 @@
-"""EAGLE drafting with a chain: the draft network extrapolates the target's features.
+"""EAGLE drafting: a small draft network extrapolates the target's features.
 
 The draft cache holds one entry per position t: the pair (target feature of token t, token t+1).
 After each step `update` rewrites the accepted positions with the target's TRUE features (the
 verify pass's hidden states along the accepted path), so drafting always starts from exact
 features; the draft output of the last pair predicts the first drafted token of the next step.
-Drafts are the draft's top-1 tokens; verification is lossless (`match`). Tree drafting
-(EAGLE-1 static trees, EAGLE-2 dynamic trees) builds on the same state.
+
+Three ways to draft from that state, all verified with the lossless `match` rule (the candidates
+are the draft's top tokens, a deterministic function of the context):
+- `EagleChainProposer`: the draft's top-1 token, `max_draft_len` times.
+- `EagleTreeProposer` (EAGLE-1): a static tree of top-k ranks (`eagle_choices`, Medusa's format),
+  drafted depth by depth.
+- `EagleDynamicProposer` (EAGLE-2, and EAGLE-3 with its network): each depth, the `top_k` nodes
+  of highest cumulative draft log-probability are expanded by their `top_k` best tokens; at the end
+  the `total_tokens - 1` best of all candidates form the tree (SafeAILab/EAGLE's topK_generate).
+
+Tree nodes drafted over several calls sit in draft-cache scratch slots after the committed pairs;
+each call attends to its ancestors there through a mask over those slots.
+`variant` selects the network: "eagle" (EAGLE-1/2: fc over [embedding; feature], the target's
+lm_head) or "eagle3" (three fused target layers, own reduced-vocabulary lm_head).
 """
 
 from __future__ import annotations
@@ -14,13 +26,21 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
-from specjax.draft_tree import chain
+from specjax.draft_tree import DraftTree, chain, static_tree
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
+
+# SafeAILab/EAGLE's default static tree (eagle/model/choices.py, "mc_sim_7b_63"): 25 nodes, depth 5.
+EAGLE_DEFAULT_TREE = (
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)
 
 
 @struct.dataclass
@@ -35,27 +55,58 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleChainProposer:
-    """EAGLE with chain drafts of `max_draft_len` tokens; params: {"net", "embed", "lm_head"}."""
+class _EagleBase:
+    """State keeping shared by the EAGLE proposers; params: {"net", "embed", "lm_head"}."""
 
     config: ModelConfig  # the draft network's (hidden size and heads of the target, few layers)
-    max_draft_len: int = 4
+    variant: str = "eagle"  # "eagle" (EAGLE-1/2 network) or "eagle3"
+    feature_layers: tuple = ()  # target layers whose outputs EAGLE-3 fuses ((): final hidden)
     rule: str = "match"
-    is_chain: bool = True
     needs_prompt_features: bool = True
 
-    @property
-    def tree_size(self) -> int:
-        return self.max_draft_len + 1
+    def __post_init__(self):
+        if self.variant not in ("eagle", "eagle3"):
+            raise ValueError(f"unknown EAGLE variant '{self.variant}' (eagle or eagle3)")
+        if self.variant == "eagle3" and len(self.feature_layers) != 3:
+            raise ValueError("EAGLE-3 fuses three target layers: give feature_layers=(low, mid, high)")
+
+    # The draft network, by variant.
+    def _forward(self, params, cache, tokens, features, positions, mask, valid, slots=None):
+        if self.variant == "eagle3":
+            from specjax.proposers.eagle3_net import eagle3_forward
+
+            fwd = eagle3_forward
+        else:
+            fwd = eagle_forward
+        return fwd(params["net"], self.config, params["embed"], tokens, features, positions,
+                   cache, mask, valid, slots=slots)
+
+    def _target_features(self, params, features):
+        """The target's features as the draft reads them (EAGLE-3 fuses its three layers)."""
+        if self.variant == "eagle3":
+            from specjax.proposers.eagle3_net import eagle3_fuse
+
+            return eagle3_fuse(params["net"], features)
+        return features
+
+    def _top(self, params, hidden, k: int):
+        """(log-probs, target token ids) of the draft's k best tokens after each hidden state."""
+        if self.variant == "eagle3":
+            from specjax.proposers.eagle3_net import draft_to_target, eagle3_logprobs
+
+            logp, ids = jax.lax.top_k(eagle3_logprobs(params["net"], hidden), k)
+            return logp, draft_to_target(params["net"], ids).astype(jnp.int32)
+        logp = jax.nn.log_softmax(eagle_logits(hidden, params["lm_head"]), axis=-1)
+        logp, ids = jax.lax.top_k(logp, k)
+        return logp, ids.astype(jnp.int32)
 
     def make_pools(self, num_pages, page_size, dtype):
         return init_pages(self.config, num_pages, page_size, dtype)
 
-    def _run(self, params, cache, tokens, features, start, valid):
+    def _run_chain(self, params, cache, tokens, features, start, valid):
         b, t = tokens.shape
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        return eagle_forward(params["net"], self.config, params["embed"], tokens, features,
-                             positions, cache, causal_mask(b, t), valid)
+        return self._forward(params, cache, tokens, features, positions, causal_mask(b, t), valid)
 
     def init(self, params, pools, ctx, prompt_chunk, prompt_len):
         b, w = prompt_chunk.shape
@@ -64,30 +115,10 @@ class EagleChainProposer:
         nxt = ctx.tokens[rows, jnp.clip(idx + 1, 0, ctx.tokens.shape[1] - 1)]  # token t + 1
         valid = idx < prompt_len[:, None]
         cache = PagedKVCache(pools[0], pools[1], ctx.block_tables, jnp.zeros((b,), jnp.int32))
-        h, cache = self._run(params, cache, nxt, ctx.prompt_hidden, cache.lengths, valid)
+        feats = self._target_features(params, ctx.prompt_hidden)
+        h, cache = self._run_chain(params, cache, nxt, feats, cache.lengths, valid)
         last = jnp.take_along_axis(h, jnp.maximum(prompt_len - 1, 0)[:, None, None], axis=1)[:, 0]
         return EagleState(cache.k_pages, cache.v_pages, prompt_len, last)
-
-    def propose(self, params, state: EagleState, ctx, keys, sampling):
-        b = ctx.tokens.shape[0]
-        first = jnp.argmax(eagle_logits(state.next_hidden, params["lm_head"]), -1).astype(jnp.int32)
-        one = jnp.ones((b, 1), bool)
-
-        def step(carry, _):
-            cache, h, tok = carry
-            out, cache = self._run(params, cache, tok[:, None], h[:, None], cache.lengths, one)
-            cache = cache.replace(lengths=cache.lengths + 1)
-            nxt = jnp.argmax(eagle_logits(out[:, 0], params["lm_head"]), -1).astype(jnp.int32)
-            return (cache, out[:, 0], nxt), nxt
-
-        (cache, _, _), rest = jax.lax.scan(step, (state.cache(ctx.block_tables),
-                                                  state.next_hidden, first), None,
-                                           length=self.max_draft_len - 1)
-        drafts = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
-        pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
-        tree = chain(pending, drafts, jnp.full((b,), self.max_draft_len, jnp.int32))
-        # The scratch pairs past `lengths` are rewritten by update(); lengths stay.
-        return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
 
     def update(self, params, state: EagleState, ctx, result, active):
         b, t = result.path.shape
@@ -97,7 +128,8 @@ class EagleChainProposer:
         tok = ctx.tokens[rows, jnp.clip(start[:, None] + 1 + d, 0, ctx.tokens.shape[1] - 1)]
         valid = (d <= result.n_accepted[:, None]) & active[:, None]
         cache = state.cache(ctx.block_tables)
-        h, cache = self._run(params, cache, tok, ctx.path_hidden, start, valid)
+        feats = self._target_features(params, ctx.path_hidden)
+        h, cache = self._run_chain(params, cache, tok, feats, start, valid)
         last = jnp.take_along_axis(h, result.n_accepted[:, None, None], axis=1)[:, 0]
         return EagleState(cache.k_pages, cache.v_pages,
                           jnp.where(active, start + result.n_accepted + 1, start),
@@ -105,3 +137,201 @@ class EagleChainProposer:
 
     def pools_of(self, state: EagleState):
         return (state.k_pages, state.v_pages)
+
+    @staticmethod
+    def _pending(ctx):
+        b = ctx.tokens.shape[0]
+        return ctx.tokens[jnp.arange(b), ctx.lengths - 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleChainProposer(_EagleBase):
+    """EAGLE with chain drafts of `max_draft_len` top-1 tokens."""
+
+    max_draft_len: int = 4
+    is_chain: bool = True
+
+    @property
+    def tree_size(self) -> int:
+        return self.max_draft_len + 1
+
+    def propose(self, params, state: EagleState, ctx, keys, sampling):
+        b = ctx.tokens.shape[0]
+        first = self._top(params, state.next_hidden, 1)[1][:, 0]
+        one = jnp.ones((b, 1), bool)
+
+        def step(carry, _):
+            cache, h, tok = carry
+            out, cache = self._run_chain(params, cache, tok[:, None], h[:, None], cache.lengths,
+                                         one)
+            cache = cache.replace(lengths=cache.lengths + 1)
+            nxt = self._top(params, out[:, 0], 1)[1][:, 0]
+            return (cache, out[:, 0], nxt), nxt
+
+        (cache, _, _), rest = jax.lax.scan(step, (state.cache(ctx.block_tables),
+                                                  state.next_hidden, first), None,
+                                           length=self.max_draft_len - 1)
+        drafts = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+        tree = chain(self._pending(ctx), drafts, jnp.full((b,), self.max_draft_len, jnp.int32))
+        # The scratch pairs past `lengths` are rewritten by update(); lengths stay.
+        return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleTreeProposer(_EagleBase):
+    """EAGLE-1: a static tree; node i at depth d holds the rank[i]-th best draft token after its
+    parent. `eagle_choices` lists the nodes as paths of ranks (SafeAILab's / Medusa's format)."""
+
+    eagle_choices: tuple = EAGLE_DEFAULT_TREE
+    is_chain: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        from specjax.proposers.medusa import expand_choices
+
+        object.__setattr__(self, "eagle_choices", expand_choices(self.eagle_choices))
+
+    @property
+    def tree_size(self) -> int:
+        return len(self.eagle_choices) + 1
+
+    def _topology(self):
+        parent, depth, rank = static_tree(self.eagle_choices)
+        t = len(parent)
+        anc = np.eye(t, dtype=bool)
+        for i in range(1, t):
+            anc[i] |= anc[parent[i]]
+        return parent, depth, rank, anc
+
+    def propose(self, params, state: EagleState, ctx, keys, sampling):
+        parent, depth, rank, anc = self._topology()
+        b, t = ctx.tokens.shape[0], self.tree_size
+        max_rank = int(rank.max()) + 1
+        cache = state.cache(ctx.block_tables)
+        tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(self._pending(ctx))
+        hidden = jnp.zeros((b, t) + state.next_hidden.shape[1:], state.next_hidden.dtype)
+        hidden = hidden.at[:, 0].set(state.next_hidden)  # root: the draft output predicting it
+        # Node i (i >= 1) is drafted into scratch slot lengths + i - 1; depth d's nodes run once
+        # their tokens are known, so their children can be read off their outputs.
+        for d in range(1, int(depth.max()) + 1):
+            nodes = np.flatnonzero(depth == d)
+            par = parent[nodes]
+            top = self._top(params, hidden[:, par], max_rank)[1]  # [B, n, R]
+            tokens = tokens.at[:, nodes].set(top[:, np.arange(len(nodes)), rank[nodes]])
+            if not np.isin(nodes, parent).any():
+                continue  # leaves: no children to draft from them
+            slots = cache.lengths[:, None] + jnp.asarray(nodes - 1, jnp.int32)[None, :]
+            mask = jnp.broadcast_to(jnp.asarray(anc[nodes][:, 1:]), (b, len(nodes), t - 1))
+            positions = jnp.broadcast_to(cache.lengths[:, None] + d - 1, (b, len(nodes)))
+            h, cache = self._forward(params, cache, tokens[:, nodes], hidden[:, par], positions,
+                                     mask, jnp.ones((b, len(nodes)), bool), slots)
+            hidden = hidden.at[:, nodes].set(h)
+        tree = DraftTree(tokens=tokens, parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
+                         depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)),
+                         valid=jnp.ones((b, t), bool))
+        return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDynamicProposer(_EagleBase):
+    """EAGLE-2 dynamic trees (SafeAILab's names and defaults): `depth` expansion passes after the
+    first, so paths hold up to depth + 1 drafted tokens; `top_k` children per expanded node and
+    `top_k` expanded nodes per depth; the `total_tokens - 1` best candidates are verified."""
+
+    total_tokens: int = 63
+    depth: int = 5
+    top_k: int = 8
+    is_chain: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.top_k < 1 or self.depth < 0 or self.total_tokens < 2:
+            raise ValueError("EAGLE-2 needs top_k >= 1, depth >= 0 and total_tokens >= 2")
+        if self.total_tokens - 1 > self.num_candidates:
+            raise ValueError(
+                f"total_tokens={self.total_tokens} exceeds the {self.num_candidates} candidates "
+                f"that depth={self.depth} and top_k={self.top_k} draft (plus the root)")
+
+    @property
+    def tree_size(self) -> int:
+        return self.total_tokens
+
+    @property
+    def num_candidates(self) -> int:
+        return self.top_k + self.depth * self.top_k ** 2
+
+    @property
+    def draft_scratch(self) -> int:
+        """Draft-cache slots past the committed pairs that one proposal writes."""
+        return max(self.depth * self.top_k, 1)
+
+    def propose(self, params, state: EagleState, ctx, keys, sampling):
+        b, k = ctx.tokens.shape[0], self.top_k
+        j_all = max(self.depth * k, 1)
+        cache = state.cache(ctx.block_tables)
+        rows = jnp.arange(b)[:, None]
+        score0, tok0 = self._top(params, state.next_hidden, k)  # [B, K]
+        frontier = dict(tok=tok0, score=score0, cand=jnp.broadcast_to(jnp.arange(k), (b, k)),
+                        feat=jnp.broadcast_to(state.next_hidden[:, None], (b, k) +
+                                              state.next_hidden.shape[1:]),
+                        anc=jnp.zeros((b, k, j_all), bool))
+
+        def expand(carry, i):
+            cache, f = carry
+            col = i * k + jnp.arange(k)
+            own = jnp.zeros((k, j_all), bool).at[jnp.arange(k), col].set(True)
+            mask = f["anc"] | own[None]
+            slots = cache.lengths[:, None] + col[None, :]
+            positions = jnp.broadcast_to((cache.lengths + i)[:, None], (b, k))
+            h, cache = self._forward(params, cache, f["tok"], f["feat"], positions, mask,
+                                     jnp.ones((b, k), bool), slots)
+            logp, tok = self._top(params, h, k)  # [B, K, K]
+            cs = (f["score"][:, :, None] + logp).reshape(b, k * k)
+            tok = tok.reshape(b, k * k)
+            par = jnp.broadcast_to(f["cand"][:, :, None], (b, k, k)).reshape(b, k * k)
+            best = jax.lax.top_k(cs, k)[1]  # the next frontier
+            src = best // k
+            nf = dict(tok=tok[rows, best], score=cs[rows, best], cand=k + i * k * k + best,
+                      feat=h[rows, src], anc=mask[rows, src])
+            return (cache, nf), (tok, cs, par)
+
+        (cache, _), (tok_l, cs_l, par_l) = jax.lax.scan(expand, (cache, frontier),
+                                                         jnp.arange(self.depth))
+        # Candidates in layer order, so every parent precedes its children.
+        flat = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1)  # noqa: E731
+        c_tok = jnp.concatenate([tok0, flat(tok_l)], axis=1)
+        c_score = jnp.concatenate([score0, flat(cs_l)], axis=1)
+        c_par = jnp.concatenate([jnp.full((b, k), -1, jnp.int32), flat(par_l)], axis=1)
+        layer = np.concatenate([np.ones(k, np.int32)] +
+                               [np.full(k * k, i + 2, np.int32) for i in range(self.depth)])
+        tree = _select(c_tok, c_score, c_par, jnp.asarray(layer), self.total_tokens - 1,
+                       self._pending(ctx))
+        return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+
+
+def _select(c_tok, c_score, c_par, c_depth, n: int, pending) -> DraftTree:
+    """The tree of the n best candidates (by cumulative log-prob) under the pending token.
+
+    Candidates come in layer order (parents first); a child never scores above its parent, and
+    top_k prefers lower indices on ties, so a chosen node's parent is chosen too: nodes whose
+    parent is missing are nonetheless marked invalid rather than trusted.
+    """
+    b, c = c_tok.shape
+    rows = jnp.arange(b)[:, None]
+    chosen = jnp.sort(jax.lax.top_k(c_score, n)[1], axis=1)  # [B, n] candidate ids, ascending
+    node_of = jnp.full((b, c), -1, jnp.int32).at[rows, chosen].set(
+        jnp.arange(1, n + 1, dtype=jnp.int32))
+    par_cand = c_par[rows, chosen]
+    par_node = jnp.where(par_cand < 0, 0, node_of[rows, jnp.maximum(par_cand, 0)])
+    valid = jnp.concatenate([jnp.ones((b, 1), bool), par_node >= 0], axis=1)
+    parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), jnp.maximum(par_node, 0)], axis=1)
+
+    def walk(i, ok):  # a node is valid only when its whole root path is
+        return ok.at[:, i].set(ok[:, i] & ok[jnp.arange(b), parent[:, i]])
+
+    valid = jax.lax.fori_loop(1, n + 1, walk, valid)
+    tokens = jnp.concatenate([pending[:, None], c_tok[rows, chosen]], axis=1).astype(jnp.int32)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                             jnp.broadcast_to(c_depth, (b, c))[rows, chosen]], axis=1)
+    return DraftTree(tokens=jnp.where(valid, tokens, 0), parent=jnp.where(valid, parent, -1).at[:, 0].set(-1),
+                     depth=depth, valid=valid)
