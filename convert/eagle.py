@@ -43,7 +43,9 @@ def is_eagle_dir(path: Path) -> bool:
                 names = _tensor_names(path / f)
             except Exception:
                 return False
-            return "fc.weight" in names and not any(k.startswith("model.") for k in names)
+            # EAGLE-3 heads (convert/eagle3.py) also hold an fc: a `midlayer` or d2t/t2d marks them.
+            return "fc.weight" in names and not any(
+                k.startswith(("model.", "midlayer.")) or k in ("d2t", "t2d") for k in names)
     return False
 
 

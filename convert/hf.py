@@ -11,7 +11,7 @@ from specjax.checkpoint import (CheckpointError, is_specjax_checkpoint, load_che
 
 def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) -> Path:
     """Convert SRC (HF dir, specjax dir, .gguf file, embedded name, FasterDecoding Medusa heads
-    or SafeAILab EAGLE-1/2 heads) into `to` format at OUT.
+    or SafeAILab EAGLE-1/2/3 heads) into `to` format at OUT.
 
     `to` defaults to specjax, or to hf when SRC is already a specjax checkpoint.
     """
@@ -24,6 +24,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) 
 
     if Path(src).is_dir() and is_medusa_dir(Path(src)):  # public draft-head formats
         return convert_medusa(src, out)
+    from convert.eagle3 import convert_eagle3, is_eagle3_dir
+
+    if Path(src).is_dir() and is_eagle3_dir(Path(src)):  # SafeAILab EAGLE-3 (before EAGLE-1/2)
+        return convert_eagle3(src, out)
     if Path(src).is_dir() and is_eagle_dir(Path(src)):
         return convert_eagle(src, out)
     from convert.redrafter import convert_redrafter, is_redrafter_dir
