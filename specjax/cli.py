@@ -57,6 +57,18 @@ def _add_generate(sub):
                     help="typical acceptance (LOSSY: output no longer follows the model's "
                          "distribution; Medusa uses 0.09); sampling only")
     md.add_argument("--posterior-alpha", type=float, default=0.3)
+    e = p.add_argument_group("eagle, eagle2 (EAGLE-1 static tree, EAGLE-2 dynamic tree; --heads)")
+    e.add_argument("--eagle-choices", default=None,
+                   help="EAGLE-1 tree as JSON paths of top-k ranks (default: SafeAILab's 25-node "
+                        "tree)")
+    e.add_argument("--eagle-total-tokens", type=int, default=None,
+                   help="EAGLE-2: tree nodes verified per step, root included (default 63)")
+    e.add_argument("--eagle-depth", type=int, default=None,
+                   help="EAGLE-2: expansion passes after the first, so paths of up to depth + 1 "
+                        "drafted tokens (default 5)")
+    e.add_argument("--eagle-top-k", type=int, default=None,
+                   help="EAGLE-2: children per expanded node and nodes expanded per depth "
+                        "(default 8)")
     k.add_argument("--min-matching-ngram-size", type=int, default=1,
                    help="shortest n-gram to match (2 suits CPUs, where verifying costs more)")
 
@@ -132,16 +144,16 @@ def _validate_generate(args):
                          f"{args.max_matching_ngram_size}")
 
 
-def _parse_choices(text):
+def _parse_choices(text, flag: str = "--medusa-choices"):
     if text is None:
         return None
     try:
         choices = json.loads(text)
     except json.JSONDecodeError:
-        raise UsageError("--medusa-choices is not valid JSON (e.g. '[[0], [0, 0], [1]]')") from None
+        raise UsageError(f"{flag} is not valid JSON (e.g. '[[0], [0, 0], [1]]')") from None
     if not (isinstance(choices, list) and choices
             and all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in choices)):
-        raise UsageError("--medusa-choices must be a JSON list of lists of integer ranks")
+        raise UsageError(f"{flag} must be a JSON list of lists of integer ranks")
     return choices
 
 
@@ -162,7 +174,10 @@ def cmd_generate(args) -> int:
         max_matching_ngram_size=args.max_matching_ngram_size,
         min_matching_ngram_size=args.min_matching_ngram_size, heads=args.heads,
         medusa_choices=_parse_choices(args.medusa_choices),
-        posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha)
+        posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
+        eagle_choices=_parse_choices(args.eagle_choices, "--eagle-choices"),
+        eagle_total_tokens=args.eagle_total_tokens, eagle_depth=args.eagle_depth,
+        eagle_top_k=args.eagle_top_k)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))
@@ -213,9 +228,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    from training.cli import add_train_parser, run_train
+    add_train_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "convert": cmd_convert}[args.command](args)
+        return {"generate": cmd_generate, "convert": cmd_convert, "train": run_train}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

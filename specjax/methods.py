@@ -8,7 +8,7 @@ from specjax.loading import Model, load_model
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
 
-METHODS = ("vanilla", "draft", "pld", "medusa")
+METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2")
 DEFAULT_DRAFT_LAYERS = 8
 
 
@@ -21,7 +21,9 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   prompt_lookup_num_tokens: int = 10, max_matching_ngram_size: int = 3,
                   min_matching_ngram_size: int = 1, heads: str | None = None,
                   medusa_choices=None, posterior_threshold: float | None = None,
-                  posterior_alpha: float = 0.3):
+                  posterior_alpha: float = 0.3, eagle_choices=None,
+                  eagle_total_tokens: int | None = None, eagle_depth: int | None = None,
+                  eagle_top_k: int | None = None):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
 
     draft: `draft_model` (a path or name of any model with the target's vocabulary), or else a
@@ -50,7 +52,42 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                 self_draft_params(target.params, n))
     if method == "medusa":
         return _medusa(target, heads, medusa_choices, posterior_threshold, posterior_alpha)
+    if method in ("eagle", "eagle2"):
+        return _eagle(target, method, heads, eagle_choices,
+                      {"total_tokens": eagle_total_tokens, "depth": eagle_depth,
+                       "top_k": eagle_top_k})
     raise MethodError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
+
+
+def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_options: dict):
+    """EAGLE-1 (static tree, `eagle_choices`) or EAGLE-2 (dynamic tree) over EAGLE heads."""
+    from specjax.model import lm_head_weight
+    from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
+    from specjax.proposers.eagle_net import load_eagle_heads
+
+    if heads is None:
+        raise MethodError(f"--method {method} needs --heads PATH (a specjax EAGLE head checkpoint)")
+    config, net = load_eagle_heads(heads, target.config)
+    dtype = target.params["embed"].dtype
+    params = {"net": jax.tree_util.tree_map(lambda a: a.astype(dtype), net),
+              "embed": target.params["embed"], "lm_head": lm_head_weight(target.params)}
+    given = {k: v for k, v in tree_options.items() if v is not None}
+    try:
+        if method == "eagle":
+            if given:
+                raise MethodError("--eagle-total-tokens/--eagle-depth/--eagle-top-k are "
+                                  "EAGLE-2 options; EAGLE-1 takes --eagle-choices")
+            if eagle_choices is None:
+                return EagleTreeProposer(config), params
+            return EagleTreeProposer(config, eagle_choices=tuple(map(tuple, eagle_choices))), params
+        if eagle_choices is not None:
+            raise MethodError("--eagle-choices is an EAGLE-1 option (eagle); eagle2 builds "
+                              "its tree from --eagle-total-tokens/--eagle-depth/--eagle-top-k")
+        return EagleDynamicProposer(config, **given), params
+    except MethodError:
+        raise
+    except ValueError as e:
+        raise MethodError(str(e)) from None
 
 
 def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshold,

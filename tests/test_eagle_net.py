@@ -17,12 +17,13 @@ from specjax.proposers.eagle_net import eagle_forward, load_eagle_heads
 D, V, T = 64, 320, 9
 
 
-@pytest.fixture(scope="module")
-def eagle_dir(tmp_path_factory):
+def make_eagle_dir(d, hidden_size=D, seed=0):
+    """A SafeAILab-format EAGLE head directory with random weights; (dir, config, layer, fc)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
+    D = hidden_size  # noqa: N806
     cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
@@ -34,10 +35,14 @@ def eagle_dir(tmp_path_factory):
           if not k.startswith("input_layernorm")}
     sd.update({"fc.weight": fc.weight.data, "fc.bias": fc.bias.data,
                "embed_tokens.weight": torch.randn(V, D)})
-    d = tmp_path_factory.mktemp("eagle")
     torch.save(sd, d / "pytorch_model.bin")
     (d / "config.json").write_text(json.dumps(cfg.to_dict()))
     return d, cfg, layer, fc
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory):
+    return make_eagle_dir(tmp_path_factory.mktemp("eagle"))
 
 
 def test_detect_and_convert(eagle_dir, tmp_path):
@@ -79,3 +84,55 @@ def test_specjax_convert_detects_eagle(eagle_dir, tmp_path, tiny_llama):
     assert main(["convert", str(d), "--out", str(tmp_path / "h")]) == 0
     assert json.loads((tmp_path / "h" / "specjax.json").read_text())["kind"] == "eagle"
     assert not is_eagle_dir(tiny_llama[0])  # a full model directory is not EAGLE heads
+
+
+def _cli_tokens(capsys, args):
+    from specjax.cli import main
+
+    assert main(args) == 0
+    return [json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()]
+
+
+def test_generate_with_eagle_heads_equals_vanilla(eagle_dir, tmp_path, tiny_llama, capsys):
+    """`--method eagle|eagle2 --heads` with converted heads: same tokens as vanilla decoding."""
+    d, _, _, _ = eagle_dir
+    convert_eagle(d, tmp_path / "sj")
+    base = ["generate", "--model", str(tiny_llama[0]), "--raw", "--json", "--max-new-tokens", "20",
+            "--prompt", "The quick brown fox", "--prompt", "def add(a, b):", "--batch-size", "2"]
+    vanilla = _cli_tokens(capsys, base)
+    heads = ["--heads", str(tmp_path / "sj")]
+    assert _cli_tokens(capsys, base + ["--method", "eagle"] + heads) == vanilla
+    assert _cli_tokens(capsys, base + ["--method", "eagle", "--eagle-choices", "[[0, 0], [1]]"]
+                       + heads) == vanilla
+    assert _cli_tokens(capsys, base + ["--method", "eagle2", "--eagle-total-tokens", "10",
+                                       "--eagle-depth", "3", "--eagle-top-k", "3"] + heads) == vanilla
+
+
+@pytest.mark.parametrize("case,words", [("no-heads", ["needs --heads"]),
+                                        ("hidden", ["hidden_size 32", "64"]),
+                                        ("kind", ["not a specjax head checkpoint"]),
+                                        ("eagle2-opt-to-eagle", ["EAGLE-2 options"]),
+                                        ("too-many", ["exceeds"])])
+def test_eagle_errors(eagle_dir, tmp_path, tiny_llama, capsys, case, words):
+    from specjax.cli import main
+
+    d, _, _, _ = eagle_dir
+    convert_eagle(d, tmp_path / "sj")
+    args = ["generate", "--model", str(tiny_llama[0]), "--raw", "--prompt", "hi",
+            "--max-new-tokens", "4", "--method", "eagle2"]
+    if case == "hidden":
+        small = tmp_path / "small"
+        small.mkdir()
+        convert_eagle(make_eagle_dir(small, hidden_size=32)[0], tmp_path / "sj32")
+        args += ["--heads", str(tmp_path / "sj32")]
+    elif case == "kind":
+        args += ["--heads", str(tiny_llama[0])]
+    elif case == "eagle2-opt-to-eagle":
+        args[-1] = "eagle"
+        args += ["--heads", str(tmp_path / "sj"), "--eagle-depth", "2"]
+    elif case == "too-many":
+        args += ["--heads", str(tmp_path / "sj"), "--eagle-total-tokens", "100",
+                 "--eagle-depth", "1", "--eagle-top-k", "2"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err

@@ -40,11 +40,14 @@ def eagle_logits(hidden, lm_head):
     return jnp.einsum("...d,vd->...v", hidden, lm_head, preferred_element_type=jnp.float32)
 
 
-def load_eagle_heads(path) -> tuple[ModelConfig, dict]:
-    """(draft config, params) of a specjax EAGLE head checkpoint."""
-    from specjax.heads import load_heads
+def load_eagle_heads(path, target_config: ModelConfig | None = None) -> tuple[ModelConfig, dict]:
+    """(draft config, params) of a specjax EAGLE head checkpoint; with `target_config`, heads
+    made for another hidden size or vocabulary are refused."""
+    from specjax.heads import check_compatible, load_heads
 
     meta, variables = load_heads(path, "eagle")
+    if target_config is not None:
+        check_compatible(meta, target_config, path)
     config = ModelConfig.from_hf(meta["config"])
     layers = [variables["layers"][str(i)] for i in range(config.num_layers)]
     return config, {"fc": variables["fc"], "layers": layers}
