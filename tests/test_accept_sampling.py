@@ -7,7 +7,7 @@ each acceptance rule, run vectorized over 32768 PRNG keys on those logits (a sec
 the second token when the first step accepted no draft), must match it by a chi-square test.
 Deliberately broken rules must fail the same test. Two end-to-end checks sample through
 Engine.generate with many seeds (Prompt-Lookup with the match rule, Draft-Target with the
-residual rule).
+residual rule, Medusa and EAGLE-2 trees with the match rule).
 """
 
 from __future__ import annotations
@@ -302,12 +302,41 @@ def test_match_rule_over_sibling_tree_is_lossless(tables, monkeypatch):
 E2E_BATCH, E2E_CALLS = 1024, 20
 
 
-@pytest.mark.parametrize("method", ["pld", "draft-residual"])
+def _tree_proposer(method, target):
+    """Medusa or EAGLE-2 with random heads over the tiny target (trees of top-k candidates)."""
+    from specjax.model import lm_head_weight
+
+    key = jax.random.PRNGKey(5)
+    if method == "medusa":
+        from specjax.proposers.medusa import MedusaProposer
+
+        proposer = MedusaProposer(num_heads=2, vocab_size=V, own_lm_head=False,
+                                  medusa_choices=((0, 0), (0, 1), (1, 0), (2,), (3,)))
+        heads = proposer.init_params(key, CFG.hidden_size, lm_head_weight(target))
+        heads = jax.tree_util.tree_map(lambda a: a + 0.3 * jax.random.normal(key, a.shape), heads)
+        return proposer, {"heads": heads, "lm_head": lm_head_weight(target)}
+    import dataclasses
+
+    from specjax.proposers.eagle import EagleDynamicProposer
+
+    draft_cfg = dataclasses.replace(CFG, num_layers=1)
+    layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
+    del layer["attn_norm"]
+    fc = {"kernel": 0.3 * jax.random.normal(key, (2 * CFG.hidden_size, CFG.hidden_size))}
+    proposer = EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3)
+    return proposer, {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
+                      "lm_head": lm_head_weight(target)}
+
+
+@pytest.mark.parametrize("method", ["pld", "draft-residual", "medusa", "eagle2"])
 def test_engine_sampling_is_lossless(models, tables, method):
     target, draft = models
     if method == "pld":
         sampling = SamplingConfig(temperature=0.8, top_k=8)
         proposer, params = PromptLookupProposer(prompt_lookup_num_tokens=3), None
+    elif method in ("medusa", "eagle2"):
+        sampling = SamplingConfig(temperature=0.8, top_p=0.95)
+        proposer, params = _tree_proposer(method, target)
     else:
         sampling = SamplingConfig(temperature=1.0, top_p=0.9)
         proposer, params = DraftModelProposer(DRAFT_CFG, max_draft_len=2, use_logits=True), draft
