@@ -1,0 +1,364 @@
+"""Training module: data, features, losses against torch, resumable training, heads that decode."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training.data import DataError, read_prompt_file
+from training.losses import eagle_loss, medusa_loss, uniform_feature_noise
+from training.train import TrainConfig, TrainError, batch_ids, run
+
+ROOT = Path(__file__).resolve().parents[1]
+CATEGORIES = ("math", "code", "chat")
+STEPS = 24
+
+
+def write_prompts(path: Path, n: int = 16) -> Path:
+    rows = [{"id": f"p{i}", "category": CATEGORIES[i % 3],
+             "turns": [f"Question {i}: what is {i} + {2 * i}? Say hello to the fox."]}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    """Tiny base, prompt file, and a data folder (distillation + features) shared by methods."""
+    root = tmp_path_factory.mktemp("training")
+    prompts = write_prompts(root / "prompts.jsonl")
+    base = str(tiny_llama[0])
+    res = run(config("medusa", base, prompts, root / "prep", root / "data", until="features"),
+              progress=False)
+    assert res["sequences"] == 10
+    return {"root": root, "base": base, "prompts": prompts, "data": root / "data"}
+
+
+def config(method, base, prompts, out, data, **kw):
+    opts = dict(max_prompts=10, max_new_tokens=16, distill_batch=4, feature_batch=4, steps=STEPS,
+                batch_size=4, max_len=64, lr=3e-3, warmup=4, save_every=8, eval_prompts=3,
+                eval_max_new_tokens=10)
+    opts.update(kw)
+    return TrainConfig(method=method, base=str(base), prompts=str(prompts), out=str(out),
+                       data=str(data), **opts)
+
+
+# ------------------------------------------------------------------------------------------
+# Prompt files
+
+
+def test_prompt_file_errors(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DataError, match="empty"):
+        read_prompt_file(empty)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n{"prompt": "c"\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: not valid JSON"):
+        read_prompt_file(bad)
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"turns": ["a"]}\n{"question": "b"}\n')
+    with pytest.raises(DataError, match=r"odd.jsonl:2: .*'turns', 'prompt' or 'text'"):
+        read_prompt_file(odd)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"turns": ["a", "b"], "category": "x"}\n{"prompt": "c"}\n{"text": "d"}\n')
+    recs = read_prompt_file(ok)
+    assert [(r.text, r.category, r.is_text) for r in recs] == [
+        ("a", "x", False), ("c", "default", False), ("d", "default", True)]
+
+
+def test_cli_bad_prompt_files(tiny_llama, tmp_path, capsys):
+    from specjax.cli import main
+
+    (tmp_path / "e.jsonl").write_text("")
+    (tmp_path / "m.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n[1, 2\n')
+    for name, words in (("e.jsonl", "empty"), ("m.jsonl", "m.jsonl:3:")):
+        rc = main(["train", "--method", "medusa", "--base", str(tiny_llama[0]), "--prompts",
+                   str(tmp_path / name), "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and words in err and len(err.splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------------------------
+# Losses against a direct torch computation
+
+
+def test_medusa_loss_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    b, t, k, v = 2, 12, 3, 11
+    logits = rng.normal(size=(b, t, k, v)).astype(np.float32) * 2
+    tokens = rng.integers(0, v, (b, t)).astype(np.int32)
+    mask = rng.random((b, t)) > 0.3
+    loss, m = medusa_loss(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask))
+    want_total = 0.0
+    for j in range(k):  # head j at position i predicts tokens[i + j + 2], answer tokens only
+        lg = torch.tensor(logits[:, :t - j - 2, j]).reshape(-1, v)
+        lab = torch.tensor(tokens[:, j + 2:]).reshape(-1).long()
+        keep = torch.tensor(mask[:, j + 2:]).reshape(-1)
+        lab = torch.where(keep, lab, torch.full_like(lab, -100))
+        ce = torch.nn.functional.cross_entropy(lg, lab, ignore_index=-100).item()
+        acc = (lg.argmax(-1) == lab)[keep].float().mean().item()
+        np.testing.assert_allclose(float(m["loss_k"][j]), ce, rtol=1e-5)
+        np.testing.assert_allclose(float(m["acc_k"][j]), acc, rtol=1e-6)
+        want_total += 0.8 ** (j + 1) * ce
+    np.testing.assert_allclose(float(loss), want_total, rtol=1e-5)
+
+
+def test_eagle_loss_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    b, t, d, v = 2, 9, 6, 13
+    pred = rng.normal(size=(b, t, d)).astype(np.float32) * 1.5
+    target = rng.normal(size=(b, t, d)).astype(np.float32)
+    head = rng.normal(size=(v, d)).astype(np.float32)
+    mask = rng.random((b, t)) > 0.4
+    loss, m = eagle_loss(jnp.asarray(pred), jnp.asarray(target), jnp.asarray(head),
+                         jnp.asarray(mask))
+    P, T, H = torch.tensor(pred), torch.tensor(target), torch.tensor(head)
+    M = torch.tensor(mask, dtype=torch.float32)[:, :, None]
+    target_p = torch.softmax(T @ H.T, -1)
+    logp = torch.log_softmax(P @ H.T, -1)
+    ploss = -torch.sum(torch.sum(M * target_p * logp, 2)) / (M.sum() + 1e-5)
+    vl = torch.nn.SmoothL1Loss(reduction="none")(P, T)
+    vloss = torch.sum(torch.mean(M * vl, 2)) / (M.sum() + 1e-5)
+    np.testing.assert_allclose(float(m["ploss"]), ploss.item(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["vloss"]), vloss.item(), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), vloss.item() + 0.1 * ploss.item(), rtol=1e-5)
+    agree = ((P @ H.T).argmax(-1) == (T @ H.T).argmax(-1)).float()
+    np.testing.assert_allclose(float(m["acc_k"][0]),
+                               (agree * M[..., 0]).sum().item() / (M.sum().item() + 1e-5), rtol=1e-6)
+
+
+def test_eagle_noise_is_uniform_and_scaled_by_length():
+    feats = jnp.zeros((2, 64, 32))
+    lengths = jnp.asarray([64, 256])
+    noise = np.asarray(uniform_feature_noise(jax.random.PRNGKey(0), feats, lengths, 0.2))
+    for row, n in zip(noise, (64, 256)):
+        half = 0.5 * 0.2 * 512 / n  # (U - 0.5) * std * 512 / n lies in [-half, half)
+        assert np.abs(row).max() <= half and np.abs(row).max() > 0.95 * half
+        assert abs(row.mean()) < 0.05 * half
+
+
+def test_batch_order_is_a_seeded_permutation_per_epoch():
+    n, bs = 10, 4
+    ids = np.concatenate([batch_ids(s, bs, n, seed=3) for s in range(5)])  # 2 epochs
+    assert sorted(ids[:10]) == list(range(10)) and sorted(ids[10:20]) == list(range(10))
+    assert not np.array_equal(ids[:10], ids[10:20])
+    assert np.array_equal(batch_ids(3, bs, n, seed=3), ids[12:16])
+    assert not np.array_equal(batch_ids(0, bs, n, seed=4), ids[:4])
+
+
+# ------------------------------------------------------------------------------------------
+# Data stages
+
+
+def test_distill_and_features_resume(setup, tmp_path):
+    """A torn distillation file and a missing feature shard are redone, giving the same data."""
+    from training.features import FeatureStore, teacher_forward
+    from specjax.loading import load_model
+
+    src = setup["data"]
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(src / "distill.json", data)
+    lines = (src / "distill.jsonl").read_text().splitlines(keepends=True)
+    (data / "distill.jsonl").write_text("".join(lines[:5]) + lines[5][:20])  # killed mid-write
+    cfg = config("medusa", setup["base"], setup["prompts"], tmp_path / "o", data,
+                 until="features")
+    run(cfg, progress=False)
+    got = [json.loads(l) for l in (data / "distill.jsonl").read_text().splitlines()]
+    want = [json.loads(l) for l in lines]
+    assert sorted(got, key=lambda r: r["index"]) == sorted(want, key=lambda r: r["index"])
+    assert any(r["answer_ids"] for r in got) and all(r["prompt_ids"] for r in got)
+
+    root = next((data / "features").iterdir())
+    a = FeatureStore(root)
+    # The stored features of a sequence equal an unbatched, unpadded teacher-forced pass.
+    model = load_model(setup["base"], dtype=jnp.float32)
+    for i in (0, len(a) - 1):
+        s = a.sequence(i)
+        n = len(s["tokens"])
+        ref = teacher_forward(model.params, model.config, jnp.asarray(s["tokens"])[None],
+                              jnp.ones((1, n), bool))["final"][0]
+        np.testing.assert_allclose(np.asarray(s["final"], np.float32), ref, atol=2e-3, rtol=2e-3)
+        assert not s["mask"][0] and np.all(np.diff(s["mask"].astype(int)) >= 0)  # prompt, answer
+    shutil.rmtree(root / "shard_00000")
+    run(cfg, progress=False)
+    b = FeatureStore(root)
+    for i in range(len(a)):
+        for k, v in a.sequence(i).items():
+            np.testing.assert_array_equal(v, b.sequence(i)[k])
+
+
+# ------------------------------------------------------------------------------------------
+# Training runs: loss goes down, resumable with identical state, heads decode losslessly
+
+
+def _heads(path):
+    from specjax.heads import load_heads
+
+    return load_heads(path)
+
+
+def _generate(args, capsys):
+    from specjax.cli import main
+
+    assert main(args) == 0
+    return [json.loads(l)["token_ids"] for l in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_train_resume_and_decode(setup, method, tmp_path, capsys):
+    base, prompts, data = setup["base"], setup["prompts"], setup["data"]
+    full = config(method, base, prompts, tmp_path / "full", data)
+    res = run(full, progress=False)
+    rows = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    first, last = np.mean([r["loss"] for r in rows[:4]]), np.mean([r["loss"] for r in rows[-4:]])
+    assert last < first - 0.05 * abs(first), (first, last)
+    assert (tmp_path / "full" / "checkpoints" / str(STEPS)).is_dir()
+    assert (tmp_path / "full" / "loss.png").stat().st_size > 1000
+    report = json.loads((tmp_path / "full" / "eval.json").read_text())
+    assert set(report["categories"]) == set(CATEGORIES) and report["all"]["mean_accepted"] >= 1.0
+
+    # Interrupted: stop after 12 steps (checkpoints at 8 and 12), lose the last checkpoint as a
+    # kill during step 12 would, resume from step 8 to the end: the same state, bit for bit.
+    part = config(method, base, prompts, tmp_path / "part", data, eval_prompts=0)
+    res_a = run(part, stop_after=12, progress=False)
+    assert int(res_a["state"].step) == 12 and "heads" not in res_a
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / "12")
+    res_b = run(part, progress=False)
+    assert int(res_b["state"].step) == STEPS
+    for x, y in zip(jax.tree_util.tree_leaves(jax.device_get(res["state"])),
+                    jax.tree_util.tree_leaves(jax.device_get(res_b["state"]))):
+        np.testing.assert_array_equal(x, y)
+    rows_b = [json.loads(l) for l in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_b] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in rows_b] == [r["loss"] for r in rows]
+    meta_a, var_a = _heads(tmp_path / "full" / "heads")
+    _, var_b = _heads(tmp_path / "part" / "heads")
+    for x, y in zip(jax.tree_util.tree_leaves(var_a), jax.tree_util.tree_leaves(var_b)):
+        np.testing.assert_array_equal(x, y)
+    assert meta_a["kind"] == method and meta_a["hidden_size"] == 64
+
+    # The heads load and decode: greedy output equals vanilla decoding.
+    heads = str(tmp_path / "full" / "heads")
+    texts = ["Say hello to the fox.", "What is 2 + 2?"]
+    gen = ["generate", "--model", base, "--prompt", texts[0], "--prompt", texts[1],
+           "--max-new-tokens", "12", "--json", "--no-warmup"]
+    vanilla = _generate(gen, capsys)
+    if method == "medusa":
+        assert _generate(gen + ["--method", "medusa", "--heads", heads], capsys) == vanilla
+    else:
+        from specjax.generate import Engine
+        from specjax.loading import load_model
+        from training.data import PromptRecord, encode_record
+        from training.methods import make_method
+
+        model = load_model(base)
+        proposer, pparams = make_method("eagle").proposer(heads, model)
+        enc = [encode_record(model.tokenizer, PromptRecord(p)) for p in texts]
+        out = Engine(model.params, model.config, num_pages=64).generate(
+            enc, 12, proposer=proposer, proposer_params=pparams)
+        assert out.token_ids == vanilla
+
+
+def test_bad_output_folders_and_heads(setup, tmp_path, capsys):
+    from specjax.cli import main
+    from specjax.heads import save_heads
+    from conftest import make_tiny_hf_model
+
+    base, prompts, data = setup["base"], setup["prompts"], setup["data"]
+    common = ["--base", base, "--prompts", str(prompts), "--data", str(data), "--max-prompts",
+              "10", "--max-new-tokens", "16", "--distill-batch-size", "4", "--steps", "2",
+              "--batch-size", "4", "--max-len", "64", "--eval-prompts", "0", "--no-progress"]
+    out = tmp_path / "m"
+    assert main(["train", "--method", "medusa", "--out", str(out), *common]) == 0
+    assert (out / "heads" / "specjax.json").exists()
+    capsys.readouterr()
+
+    def error(args):
+        rc = main(["train", *args])
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and len(err.splitlines()) == 1, err
+        return err
+
+    # Another method's checkpoint in the output folder.
+    assert "holds a medusa training run" in error(["--method", "eagle", "--out", str(out), *common])
+    only_heads = tmp_path / "h"
+    shutil.copytree(out / "heads", only_heads / "heads")
+    assert "holds medusa heads" in error(["--method", "eagle", "--out", str(only_heads), *common])
+    # Heads made for another hidden size.
+    wrong = tmp_path / "wrong"
+    variables = {"params": {"head_0": {"ResBlock_0": {"Dense_0": {
+        "kernel": np.zeros((48, 48), np.float32), "bias": np.zeros(48, np.float32)}}}}}
+    save_heads(wrong, "medusa", variables, {"num_heads": 1, "num_layers": 1, "hidden_size": 48,
+                                           "vocab_size": 320, "own_lm_head": False})
+    err = error(["--method", "medusa", "--out", str(tmp_path / "n"), "--init-heads", str(wrong),
+                 "--num-heads", "1", *common])
+    assert "hidden_size 48" in err
+    # A base model of another hidden size than the run already in the folder.
+    other = tmp_path / "other_base"
+    make_tiny_hf_model(other, "llama", hidden_size=48, num_attention_heads=4)
+    capsys.readouterr()
+    args = ["--method", "medusa", "--out", str(out), *common]
+    args[args.index("--base") + 1] = str(other)
+    assert "hidden_size 64" in error(args)
+
+
+# ------------------------------------------------------------------------------------------
+# Data parallelism over a `data` mesh axis
+
+
+def test_data_parallel_matches_single_device(tmp_path):
+    """With two (host) devices the batch is split over `data`; the result matches one device."""
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from specjax import ModelConfig, init_params
+        from training.features import FeatureSpec, FeatureStore, extract_features
+        from training.methods import make_method
+        from training.train import OptimConfig, Sharder, fit
+        assert jax.device_count() == 2
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+        base = init_params(cfg, jax.random.PRNGKey(0), scale=0.3)
+        rng = np.random.default_rng(0)
+        seqs = []
+        for n in rng.integers(10, 40, 12):
+            toks = rng.integers(0, 64, n).astype(np.int32)
+            seqs.append((toks, np.arange(n) >= 4))
+        root = extract_features(base, cfg, seqs, r"{tmp_path}", FeatureSpec(dtype="float32"),
+                                batch_size=4, progress=False)
+        store = FeatureStore(root)
+        sh = Sharder(4)
+        x = sh.batch(store.batch([0, 1, 2, 3], 64))["final"]
+        assert len(x.sharding.device_set) == 2 and x.addressable_shards[0].data.shape[0] == 2
+        opt = OptimConfig(lr=3e-3, steps=6, warmup=2)
+        results = []
+        for name, devices in (("two", None), ("one", jax.devices()[:1])):
+            for method in (make_method("eagle"),):  # attention, K/V writes and noise on shards
+                st = fit(method, cfg, base, store, r"{tmp_path}/" + name + method.name, opt,
+                         batch_size=4, max_len=64, seed=0, save_every=3, progress=False,
+                         devices=devices)
+                results.append(jax.device_get(st.params))
+        for a, b in zip(results[:1], results[1:]):
+            for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+                np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+        print("OK")
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -1,0 +1,134 @@
+"""`specjax train` (also `python -m training`): self-distill, extract features, train, evaluate.
+
+Errors print one line on stderr and exit non-zero; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `train` sub-command on an argparse subparsers object."""
+    from training.methods import METHODS
+
+    p = subparsers.add_parser(
+        "train", help="train draft heads (Medusa, EAGLE) for a base model",
+        description="Self-distillation data, teacher-forced features, training and evaluation; "
+                    "every stage resumes from what the output (and data) folder holds.")
+    p.add_argument("--method", required=True, choices=sorted(METHODS))
+    p.add_argument("--base", default="smollm2-135m", help="base model: embedded name, dir or .gguf")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL with 'turns' (first is the prompt), 'prompt', or plain 'text'")
+    p.add_argument("--out", required=True, help="output folder (checkpoints, heads, plots)")
+    p.add_argument("--data", default=None,
+                   help="data folder for distillation and features (default OUT/data; share it "
+                        "between methods of one base model)")
+    d = p.add_argument_group("data")
+    d.add_argument("--max-prompts", type=int, default=1000,
+                   help="prompts used, round-robin over categories (0: all)")
+    d.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    d.add_argument("--max-new-tokens", type=int, default=160, help="answer length of distillation")
+    d.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--top-k", type=int, default=0)
+    d.add_argument("--distill-batch-size", type=int, default=16)
+    d.add_argument("--feature-dtype", choices=("float16", "float32"), default="float16")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    t.add_argument("--max-len", type=int, default=512, help="tokens per sequence (cut)")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    t.add_argument("--stop-after", type=int, default=None,
+                   help="stop (with a checkpoint) after N steps in total; rerun to continue")
+    t.add_argument("--init-heads", default=None, help="start from these heads (specjax format)")
+    m = p.add_argument_group("method options")
+    m.add_argument("--num-heads", type=int, default=None, help="Medusa heads (default 4)")
+    m.add_argument("--num-layers", type=int, default=None,
+                   help="ResBlocks per Medusa head (default 1) / EAGLE draft layers (default 1)")
+    m.add_argument("--own-lm-head", action="store_true",
+                   help="Medusa: a vocabulary projection per head (default: the base's, frozen)")
+    m.add_argument("--noise-std", type=float, default=None, help="EAGLE feature noise (0.2)")
+    e = p.add_argument_group("evaluation")
+    e.add_argument("--eval-prompts", type=int, default=20,
+                   help="held-out prompts of the same file (never trained on)")
+    e.add_argument("--eval-max-new-tokens", type=int, default=64)
+    p.add_argument("--until", choices=("distill", "features", "train", "evaluate"),
+                   default="evaluate", help="last stage to run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def config_from_args(args):
+    from training.train import TrainConfig, TrainError
+
+    for name in ("steps", "batch_size", "max_len", "save_every", "max_new_tokens",
+                 "distill_batch_size", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise TrainError(f"--lr must be > 0, got {args.lr}")
+    if args.max_prompts < 0 or args.eval_prompts < 0:
+        raise TrainError("--max-prompts and --eval-prompts must be >= 0")
+    options = {"num_heads": args.num_heads, "num_layers": args.num_layers,
+               "noise_std": args.noise_std, "own_lm_head": True if args.own_lm_head else None}
+    return TrainConfig(
+        method=args.method, base=args.base, prompts=args.prompts, out=args.out, data=args.data,
+        max_prompts=args.max_prompts or None, max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, distill_batch=args.distill_batch_size, feature_dtype=args.feature_dtype,
+        max_len=args.max_len, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
+        save_every=args.save_every,
+        method_options=tuple(sorted((k, v) for k, v in options.items() if v is not None)),
+        init_heads=args.init_heads, eval_prompts=args.eval_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens, until=args.until)
+
+
+def run_train(args) -> int:
+    """Run `specjax train` from parsed arguments; prints where the results went."""
+    from training.train import run
+
+    cfg = config_from_args(args)
+    res = run(cfg, stop_after=args.stop_after, progress=not args.no_progress)
+    err = sys.stderr
+    print(f"data: {cfg.data_dir} ({res.get('sequences', 0)} sequences)", file=err)
+    if "heads" in res:
+        print(f"heads: {res['heads']}", file=err)
+    elif "state" in res:
+        print(f"stopped at step {int(res['state'].step)} of {cfg.steps}; rerun to continue",
+              file=err)
+    if "plot" in res:
+        print(f"loss curve: {res['plot']}", file=err)
+    if "eval" in res:
+        ev = res["eval"]
+        for cat, st in {**ev["categories"], "all": ev["all"]}.items():
+            print(f"  {cat:>14}: mean accepted {st['mean_accepted']:.2f} "
+                  f"({st['prompts']} prompts)", file=err)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return run_train(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line, no traceback: the CLI contract
+        if args.debug or os.environ.get("SPECJAX_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"specjax: error: {msg}", file=sys.stderr)
+        return 1

@@ -1,0 +1,233 @@
+"""Training data: prompt files, and self-distillation (the base model answers the prompts).
+
+Heads learn to predict the base model's OWN continuations, so the answers come from the base
+model itself (its chat template, batched generation with `specjax.generate.Engine`). Answers are
+appended to `distill.jsonl` one batch at a time: an interrupted run resumes where it stopped.
+Plain-text records (`text`) are not answered: the text itself is the training sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+DISTILL_FILE = "distill.jsonl"
+DISTILL_META = "distill.json"
+
+
+class DataError(ValueError):
+    """A prompt file or a data folder that cannot be used (one-line message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One line of a prompt file: a chat prompt, or plain text (`is_text`)."""
+
+    text: str
+    category: str = "default"
+    id: str = ""
+    is_text: bool = False
+
+
+def read_prompt_file(path) -> list[PromptRecord]:
+    """Records of a JSONL file with `turns` (first is the prompt), `prompt` or `text`.
+
+    Empty files, invalid JSON and records without any of those fields raise DataError naming
+    the file and the line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"prompt file not found: {path}")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+            cat = str(rec.get("category") or "default")
+            rid = str(rec.get("id", n))
+            turns = rec.get("turns")
+            if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]:
+                records.append(PromptRecord(turns[0], cat, rid))
+            elif isinstance(rec.get("prompt"), str) and rec["prompt"]:
+                records.append(PromptRecord(rec["prompt"], cat, rid))
+            elif isinstance(rec.get("text"), str) and rec["text"]:
+                records.append(PromptRecord(rec["text"], cat, rid, is_text=True))
+            else:
+                raise DataError(f"{path}:{n}: record has no non-empty 'turns', 'prompt' or 'text'")
+    if not records:
+        raise DataError(f"{path}: no records (the file is empty)")
+    return records
+
+
+def spread_over_categories(records: Sequence[PromptRecord], n: int | None, keep=None) -> list[int]:
+    """Indices of up to n records taken round-robin over categories, each in file order.
+
+    `keep(i)` may veto a record (e.g. a prompt too long); the order is deterministic, so the
+    same file and n always give the same selection.
+    """
+    by_cat: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_cat.setdefault(r.category, []).append(i)
+    queues = [list(reversed(v)) for v in by_cat.values()]
+    out: list[int] = []
+    limit = len(records) if n is None else n
+    while len(out) < limit and any(queues):
+        for q in queues:
+            while q:
+                i = q.pop()
+                if keep is None or keep(i):
+                    out.append(i)
+                    break
+            if len(out) >= limit:
+                break
+    return out
+
+
+def encode_record(tokenizer, rec: PromptRecord) -> list[int]:
+    """Token ids: chat prompts through the chat template (generation prompt added), text raw."""
+    if rec.is_text:
+        return list(tokenizer(rec.text).input_ids)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the base model's tokenizer has no chat template; use 'text' records")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": rec.text}], add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Settings of self-distillation; a data folder only ever holds one."""
+
+    max_new_tokens: int = 160
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    batch_size: int = 16
+
+
+def _read_done(path: Path) -> dict[int, dict]:
+    """Finished records of a distill file; a torn last line (killed mid-write) is cut off."""
+    done: dict[int, dict] = {}
+    if not path.exists():
+        return done
+    good = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break
+            try:
+                rec = json.loads(raw)
+            except json.JSONDecodeError:
+                break
+            done[int(rec["index"])] = rec
+            good += len(raw)
+    if good != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return done
+
+
+def _check_meta(folder: Path, meta: dict) -> None:
+    path = folder / DISTILL_META
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [k for k in meta if k in old and old[k] != meta[k]]
+        if diff:
+            k = diff[0]
+            raise DataError(f"data folder {folder} was made with {k}={old[k]!r}, not {meta[k]!r}: "
+                            "use another folder")
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(meta, indent=2))
+
+
+def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], folder,
+            cfg: DistillConfig = DistillConfig(), *, max_prompt_tokens: int = 512,
+            progress: bool = True) -> list[dict]:
+    """The base model's answers to records[indices], resumable; returns them in `indices` order.
+
+    Each line of folder/distill.jsonl: {"index", "id", "category", "prompt_ids", "answer_ids",
+    "finished"} (index into `records`). Prompts longer than max_prompt_tokens are cut to their
+    last tokens; text records are stored with an empty prompt (the whole text is the answer).
+    Sampling seeds are per record (seed + index), so results do not depend on batching.
+    """
+    from tqdm import tqdm
+
+    from specjax.generate import Engine, bucket
+    from specjax.sampling import SamplingConfig
+
+    folder = Path(folder)
+    meta = {"base_model": str(model.path), "vocab_size": model.config.vocab_size,
+            "max_prompt_tokens": max_prompt_tokens, **dataclasses.asdict(cfg)}
+    meta.pop("batch_size")
+    _check_meta(folder, meta)
+    out_path = folder / DISTILL_FILE
+    done = _read_done(out_path)
+    tok = model.tokenizer
+    todo = []
+    with open(out_path, "a", encoding="utf-8") as f:
+        for i in indices:
+            if i in done:
+                continue
+            rec = records[i]
+            ids = encode_record(tok, rec)
+            if rec.is_text:  # nothing to answer: the text is the training sequence
+                row = {"index": i, "id": rec.id, "category": rec.category, "prompt_ids": [],
+                       "answer_ids": ids, "finished": True}
+                f.write(json.dumps(row) + "\n")
+                done[i] = row
+            else:
+                todo.append((i, ids[-max_prompt_tokens:]))
+    if todo:
+        eos = set(model.config.eos_token_ids)
+        if getattr(tok, "eos_token_id", None) is not None:
+            eos.add(int(tok.eos_token_id))
+        todo.sort(key=lambda t: len(t[1]))  # similar lengths share a batch: less padding
+        bs = cfg.batch_size
+        per_seq = -(-bucket(max(len(p) for _, p in todo) + cfg.max_new_tokens + 1) // 16)
+        engine = Engine(model.params, model.config, num_pages=2 * bs * per_seq + 8, page_size=16)
+        sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+        bar = tqdm(total=len(indices), initial=len(indices) - len(todo), disable=not progress,
+                   desc="distill", unit="prompt", dynamic_ncols=True)
+        new_tokens = 0
+        with open(out_path, "a", encoding="utf-8") as f:
+            for s in range(0, len(todo), bs):
+                batch = todo[s:s + bs]
+                out = engine.generate([p for _, p in batch], cfg.max_new_tokens, sampling=sampling,
+                                      seeds=[cfg.seed + i for i, _ in batch],
+                                      eos_token_ids=sorted(eos))
+                for (i, p), ans, fin in zip(batch, out.token_ids, out.finished_by_eos):
+                    row = {"index": i, "id": records[i].id, "category": records[i].category,
+                           "prompt_ids": p, "answer_ids": ans, "finished": bool(fin)}
+                    f.write(json.dumps(row) + "\n")
+                    done[i] = row
+                f.flush()
+                os.fsync(f.fileno())
+                new_tokens += sum(len(a) for a in out.token_ids)
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{sum(len(a) for a in out.token_ids) / out.seconds:.0f}")
+        bar.close()
+    return [done[i] for i in indices]
+
+
+def sequences_of(rows: Sequence[dict], max_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens int32[n], answer mask bool[n]) per distilled row, cut to max_len tokens."""
+    out = []
+    for r in rows:
+        tokens = np.asarray(list(r["prompt_ids"]) + list(r["answer_ids"]), np.int32)[:max_len]
+        mask = np.zeros(len(tokens), bool)
+        mask[len(r["prompt_ids"]):] = True
+        out.append((tokens, mask))
+    return out

@@ -1,0 +1,99 @@
+"""Loss functions of the draft-head methods, as pure functions of arrays.
+
+Medusa-1 (FasterDecoding/Medusa): head k (0-based) reads the feature of token t and predicts
+token t + k + 2 (medusa/train/train.py: `logits[k, :, :-(2 + k)]` against `labels[..., 2 + k:]`),
+cross-entropy averaged over answer tokens; the paper's weights lambda_k = 0.8^k for the 1-based
+head k (the axolotl Medusa trainer's `medusa_decay_coefficient ** i`, 0.8 in its configs), so
+0-based head k weighs 0.8^(k + 1).
+
+EAGLE (SafeAILab/EAGLE eagle/train/main.py): the draft reads (feature of t, token t + 1) and
+regresses the feature of t + 1: smooth-L1 (beta 1) averaged over the hidden dimension, plus
+0.1 x the cross-entropy of the target's token DISTRIBUTION softmax(lm_head(f_{t+1})) (soft labels,
+not the hard token) under log_softmax(lm_head(predicted)); both averaged over loss-mask tokens
+(sum / (mask.sum() + 1e-5)). Input features get uniform noise (U[0,1) - 0.5) * 0.2 * 512 / n,
+n the sequence's length (`AddUniformNoise`, std 0.2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MEDUSA_DECAY = 0.8
+EAGLE_V_W, EAGLE_P_W = 1.0, 0.1
+EAGLE_NOISE_STD = 0.2
+
+
+def _masked_mean(x, mask):
+    m = mask.astype(jnp.float32)
+    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY):
+    """Medusa-1 loss of head logits [B, T, K, V] for tokens [B, T] with answer mask [B, T].
+
+    Head k at position t is scored on tokens[t + k + 2] where that token is an answer token.
+    Returns (sum_k decay^(k+1) * CE_k, {"loss_k": [K], "acc_k": [K] top-1 accuracy}).
+    """
+    b, t, k, v = logits.shape
+    losses, accs = [], []
+    for j in range(k):
+        s = j + 2
+        lg = logits[:, :t - s, j].astype(jnp.float32)  # positions 0 .. t-s-1
+        lab = tokens[:, s:]
+        m = mask[:, s:]
+        logp = jax.nn.log_softmax(lg, axis=-1)
+        nll = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
+        losses.append(_masked_mean(nll, m))
+        accs.append(_masked_mean(jnp.argmax(lg, -1) == lab, m))
+    losses = jnp.stack(losses)
+    weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
+    return jnp.sum(weights * losses), {"loss_k": losses, "acc_k": jnp.stack(accs)}
+
+
+def smooth_l1(x, y, beta: float = 1.0):
+    """Elementwise smooth-L1 (Huber with delta beta, divided by beta), as torch's SmoothL1Loss."""
+    d = jnp.abs(x - y)
+    return jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
+
+
+def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: float = EAGLE_P_W):
+    """EAGLE loss of predicted features [B, T, D] against the target's next features [B, T, D].
+
+    lm_head: the target's frozen [V, D] head; mask [B, T]: positions that count.
+    Returns (v_w * vloss + p_w * ploss, {"vloss", "ploss", "acc_k": [1] top-1 agreement of the
+    predicted token with the target's argmax}).
+    """
+    m = mask.astype(jnp.float32)
+    denom = jnp.sum(m) + 1e-5
+    t_logits = jnp.einsum("btd,vd->btv", target, lm_head, preferred_element_type=jnp.float32)
+    target_p = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
+    p_logits = jnp.einsum("btd,vd->btv", predicted, lm_head, preferred_element_type=jnp.float32)
+    logp = jax.nn.log_softmax(p_logits, axis=-1)
+    ploss = -jnp.sum(m * jnp.sum(target_p * logp, axis=-1)) / denom
+    vloss = jnp.sum(m * jnp.mean(smooth_l1(predicted.astype(jnp.float32),
+                                           target.astype(jnp.float32)), axis=-1)) / denom
+    acc = jnp.sum(m * (jnp.argmax(p_logits, -1) == jnp.argmax(t_logits, -1))) / denom
+    return v_w * vloss + p_w * ploss, {"vloss": vloss, "ploss": ploss, "acc_k": acc[None]}
+
+
+def uniform_feature_noise(key, features, lengths, std: float = EAGLE_NOISE_STD):
+    """EAGLE's training noise: (U[0,1) - 0.5) * std * 512 / n per sequence of n tokens.
+
+    features [B, T, D]; lengths int[B] (the sequence's tokens, padding excluded).
+    """
+    scale = std * 512.0 / jnp.maximum(lengths, 1).astype(jnp.float32)
+    u = jax.random.uniform(key, features.shape, jnp.float32) - 0.5
+    return features + (u * scale[:, None, None]).astype(features.dtype)
+
+
+def eagle_shift(tokens, final, mask, valid):
+    """EAGLE's training pairs at every position t of a batch (last position has no target).
+
+    Returns (input tokens t + 1 [B, T], input features f_t [B, T, D], target features f_{t+1},
+    loss mask [B, T]: answer token at t with a token at t + 1, as in SafeAILab's data loader).
+    """
+    nxt_tok = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    target = jnp.concatenate([final[:, 1:], jnp.zeros_like(final[:, :1])], axis=1)
+    nxt_valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
+    return nxt_tok, final, target, mask & valid & nxt_valid
