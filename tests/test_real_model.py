@@ -91,3 +91,50 @@ def test_speculative_greedy_equals_vanilla(smol, method, options):
         assert_same_or_near_tie(smol, prompt, want, got)
     assert_same_or_near_tie(smol, encoded[0], vanilla.token_ids[0], single.token_ids[0])
     assert sum(batched.steps) < sum(vanilla.steps)  # the drafts were accepted at least sometimes
+
+
+def random_head_checkpoint(method, smol, out):
+    """A head checkpoint of `method` with random weights for the embedded model, saved to out."""
+    import dataclasses
+
+    import jax
+
+    from specjax.heads import save_heads
+    from specjax.model import init_params, lm_head_weight
+
+    c = smol.config
+    key = jax.random.PRNGKey(0)
+    meta = {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+    if method == "medusa":
+        from specjax.proposers.medusa import MedusaProposer
+
+        p = MedusaProposer(num_heads=4, vocab_size=c.vocab_size, own_lm_head=False)
+        heads = p.init_params(key, c.hidden_size, lm_head_weight(smol.params))
+        heads = jax.tree_util.tree_map(lambda a: a + 0.02 * jax.random.normal(key, a.shape), heads)
+        return save_heads(out, "medusa", heads, {**meta, "num_heads": 4, "num_layers": 1,
+                                                 "own_lm_head": False})
+    cfg = dataclasses.replace(c, num_layers=1)
+    layer = init_params(cfg, key, scale=0.02)["layers"][0]
+    del layer["attn_norm"]
+    fc = {"kernel": 0.02 * jax.random.normal(key, (2 * c.hidden_size, c.hidden_size)),
+          "bias": jax.numpy.zeros((c.hidden_size,))}
+    return save_heads(out, "eagle", {"fc": fc, "layers": {"0": layer}},
+                      {**meta, "config": cfg.to_hf()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,options", [
+    ("medusa", {}), ("eagle", {}),
+    ("eagle2", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4})])
+def test_head_methods_greedy_equals_vanilla(smol, method, options, tmp_path):
+    """Correctness does not depend on head quality: random heads, same tokens as vanilla."""
+    from specjax.methods import make_proposer
+
+    heads = random_head_checkpoint(method, smol, tmp_path / method)
+    eng = Engine(smol.params, smol.config, num_pages=64, page_size=16)
+    encoded = [encode_prompt(smol.tokenizer, p, raw=False) for p in PROMPTS[:2]]
+    vanilla = eng.generate(encoded, max_new_tokens=48, eos_token_ids=())
+    proposer, pparams = make_proposer(method, smol, heads=str(heads), **options)
+    spec = eng.generate(encoded, 48, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    for prompt, want, got in zip(encoded, vanilla.token_ids, spec.token_ids):
+        assert_same_or_near_tie(smol, prompt, want, got)
