@@ -16,12 +16,14 @@ x + SiLU(W x + b) and a bias-free vocabulary projection, and warp() the referenc
 filter (logits shifted by their max, the rest set to -50000). Beam search keeps the
 `num_beams` best (beam, token) pairs by cumulative log-probability for `draft_len_per_beam`
 steps; step 1 grows beam 0 only (the others start at log 0 = -50000). Beams sharing prefixes
-are merged into one DraftTree (TensorRT-LLM's beams-to-tree step), verified in one pass and
-accepted with the tree `match` rule, which is lossless for any candidate tree because the
-target's draws do not depend on the candidates.
+are merged into one DraftTree (TensorRT-LLM's beams-to-tree step), its valid nodes packed first
+so that `verify_pruned` can run narrower, verified in one pass and accepted with the tree
+`match` rule, which is lossless for any candidate tree because the target's draws do not
+depend on the candidates.
 
 TensorRT-LLM (tensorrt_llm/models/redrafter/) drops the SiLU and the first step's U term and
-the top-50 warp; specjax follows Apple's reference, which trained the public checkpoints.
+the top-50 warp; specjax follows Apple's reference, the code that trains and saves these
+checkpoints (NVIDIA ModelOpt's ReDrafter trainer uses the same SiLU recurrence).
 With `greedy_search=False` and a sampling request, beams are extended by sampling without
 replacement (Gumbel top-k) from the temperature-scaled cumulative log-probabilities.
 """
