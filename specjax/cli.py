@@ -57,17 +57,18 @@ def _add_generate(sub):
                     help="typical acceptance (LOSSY: output no longer follows the model's "
                          "distribution; Medusa uses 0.09); sampling only")
     md.add_argument("--posterior-alpha", type=float, default=0.3)
-    e = p.add_argument_group("eagle, eagle2 (EAGLE-1 static tree, EAGLE-2 dynamic tree; --heads)")
+    e = p.add_argument_group("eagle, eagle2, eagle3 (EAGLE-1 static tree; EAGLE-2 and EAGLE-3 "
+                             "dynamic trees; --heads)")
     e.add_argument("--eagle-choices", default=None,
                    help="EAGLE-1 tree as JSON paths of top-k ranks (default: SafeAILab's 25-node "
                         "tree)")
     e.add_argument("--eagle-total-tokens", type=int, default=None,
-                   help="EAGLE-2: tree nodes verified per step, root included (default 63)")
+                   help="EAGLE-2/3: tree nodes verified per step, root included (default 63)")
     e.add_argument("--eagle-depth", type=int, default=None,
-                   help="EAGLE-2: expansion passes after the first, so paths of up to depth + 1 "
+                   help="EAGLE-2/3: expansion passes after the first, so paths of up to depth + 1 "
                         "drafted tokens (default 5)")
     e.add_argument("--eagle-top-k", type=int, default=None,
-                   help="EAGLE-2: children per expanded node and nodes expanded per depth "
+                   help="EAGLE-2/3: children per expanded node and nodes expanded per depth "
                         "(default 8)")
     k.add_argument("--min-matching-ngram-size", type=int, default=1,
                    help="shortest n-gram to match (2 suits CPUs, where verifying costs more)")

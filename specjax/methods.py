@@ -8,7 +8,7 @@ from specjax.loading import Model, load_model
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
 
-METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2")
+METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3")
 DEFAULT_DRAFT_LAYERS = 8
 
 
@@ -52,7 +52,7 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                 self_draft_params(target.params, n))
     if method == "medusa":
         return _medusa(target, heads, medusa_choices, posterior_threshold, posterior_alpha)
-    if method in ("eagle", "eagle2"):
+    if method in ("eagle", "eagle2", "eagle3"):
         return _eagle(target, method, heads, eagle_choices,
                       {"total_tokens": eagle_total_tokens, "depth": eagle_depth,
                        "top_k": eagle_top_k})
@@ -60,17 +60,32 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
 
 
 def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_options: dict):
-    """EAGLE-1 (static tree, `eagle_choices`) or EAGLE-2 (dynamic tree) over EAGLE heads."""
+    """EAGLE-1 (static tree, `eagle_choices`), EAGLE-2 (dynamic tree) over EAGLE heads, or
+    EAGLE-3 (dynamic tree) over EAGLE-3 heads."""
     from specjax.model import lm_head_weight
     from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
-    from specjax.proposers.eagle_net import load_eagle_heads
 
     if heads is None:
-        raise MethodError(f"--method {method} needs --heads PATH (a specjax EAGLE head checkpoint)")
-    config, net = load_eagle_heads(heads, target.config)
+        kind = "EAGLE-3" if method == "eagle3" else "EAGLE"
+        raise MethodError(f"--method {method} needs --heads PATH (a specjax {kind} head checkpoint)")
     dtype = target.params["embed"].dtype
-    params = {"net": jax.tree_util.tree_map(lambda a: a.astype(dtype), net),
-              "embed": target.params["embed"], "lm_head": lm_head_weight(target.params)}
+    cast = lambda tree: jax.tree_util.tree_map(  # noqa: E731  (integer maps keep their type)
+        lambda a: a.astype(dtype) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a, tree)
+    network = {}
+    if method == "eagle3":
+        from specjax.heads import check_compatible
+        from specjax.proposers.eagle3_net import feature_layers_of, load_eagle3_heads
+
+        config, net, meta = load_eagle3_heads(heads)
+        check_compatible(meta, target.config, heads)
+        network = {"variant": "eagle3",
+                   "feature_layers": feature_layers_of(meta, target.config.num_layers)}
+    else:
+        from specjax.proposers.eagle_net import load_eagle_heads
+
+        config, net = load_eagle_heads(heads, target.config)
+    params = {"net": cast(net), "embed": target.params["embed"],
+              "lm_head": lm_head_weight(target.params)}
     given = {k: v for k, v in tree_options.items() if v is not None}
     try:
         if method == "eagle":
@@ -81,9 +96,9 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
                 return EagleTreeProposer(config), params
             return EagleTreeProposer(config, eagle_choices=tuple(map(tuple, eagle_choices))), params
         if eagle_choices is not None:
-            raise MethodError("--eagle-choices is an EAGLE-1 option (eagle); eagle2 builds "
+            raise MethodError(f"--eagle-choices is an EAGLE-1 option (eagle); {method} builds "
                               "its tree from --eagle-total-tokens/--eagle-depth/--eagle-top-k")
-        return EagleDynamicProposer(config, **given), params
+        return EagleDynamicProposer(config, **network, **given), params
     except MethodError:
         raise
     except ValueError as e:

@@ -121,7 +121,7 @@ def test_tree_greedy_equals_vanilla(target, name):
     assert spec.token_ids == vanilla.token_ids
 
 
-def _draft_state(target, proposer, pparams, prompt):
+def _draft_state(target, proposer, pparams, prompt, feature_layers=()):
     """Proposer state and context after prefilling `prompt` (batch 1)."""
     from specjax import PagedKVCache
     from specjax.cache import init_pages
@@ -133,7 +133,8 @@ def _draft_state(target, proposer, pparams, prompt):
     table = jnp.arange(24, dtype=jnp.int32)[None]
     cache = PagedKVCache(k, v, table, jnp.zeros(1, jnp.int32))
     chunk = jnp.zeros((1, 16), jnp.int32).at[0, :n - 1].set(jnp.asarray(prompt[:-1]))
-    cache, last, hidden = prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]))
+    cache, last, hidden = prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]),
+                                  tuple(feature_layers))
     buf = jnp.zeros((1, 96), jnp.int32).at[0, :n].set(jnp.asarray(prompt))
     ctx = SpecContext(buf, jnp.asarray([n]), cache.block_tables, last, prompt_hidden=hidden)
     state = proposer.init(pparams, proposer.make_pools(32, 4, jnp.float32), ctx, chunk,
@@ -215,3 +216,51 @@ def test_dynamic_tree_is_valid_and_best_first(target, total, depth, top_k):
         layer = sorted(children, key=lambda c: -c[1])[:top_k]
     best = sorted(candidates, key=lambda c: -c[1])[:total - 1]
     assert {p for p, _ in best} == {tuple(p) for i, p in _paths(tree).items() if i}
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3: the same drafting over three fused target layers and a reduced draft vocabulary
+
+
+def random_eagle3(target, key, draft_vocab=40):
+    from specjax.proposers.eagle3_net import eagle3_feature_layers, init_eagle3_params
+
+    counts = jax.random.uniform(key, (CFG.vocab_size,))
+    cfg3, net = init_eagle3_params(key, CFG, draft_vocab, token_counts=counts, scale=0.3)
+    pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
+    return cfg3, pparams, eagle3_feature_layers(CFG.num_layers)
+
+
+@pytest.mark.parametrize("kind", ["chain", "dynamic"])
+def test_eagle3_greedy_equals_vanilla(target, kind):
+    cfg3, pparams, layers = random_eagle3(target, jax.random.PRNGKey(4))
+    if kind == "chain":
+        proposer = EagleChainProposer(cfg3, variant="eagle3", feature_layers=layers, max_draft_len=3)
+    else:
+        proposer = EagleDynamicProposer(cfg3, variant="eagle3", feature_layers=layers,
+                                        total_tokens=10, depth=3, top_k=3)
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(PROMPTS, 20, eos_token_ids=())
+    spec = eng.generate(PROMPTS, 20, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    assert spec.token_ids == vanilla.token_ids
+
+
+def test_eagle3_tree_nodes_are_in_the_draft_vocabulary(target):
+    """EAGLE-3 drafts only tokens of its reduced vocabulary, mapped to target ids through d2t,
+    and the tree is the best-first selection over chain-drafted distributions."""
+    import numpy as np
+
+    from specjax.proposers.eagle3_net import draft_to_target
+
+    cfg3, pparams, layers = random_eagle3(target, jax.random.PRNGKey(8))
+    proposer = EagleDynamicProposer(cfg3, variant="eagle3", feature_layers=layers,
+                                    total_tokens=8, depth=2, top_k=3)
+
+    state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0], layers)
+    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    allowed = set(np.asarray(draft_to_target(pparams["net"], jnp.arange(40))).tolist())
+    assert set(np.asarray(tree.tokens[0, 1:]).tolist()) <= allowed
+    for i, path in _paths(tree).items():
+        if i:
+            ids, _ = _chain_top(proposer, pparams, state, ctx, path[:-1], 3)
+            assert path[-1] in ids

@@ -297,3 +297,24 @@ def test_bad_inputs(tmp_path, capsys):
 
     _one_line_error(_write(tmp_path / "layers", _state_dict(), {**CONFIG, "num_hidden_layers": 2}),
                     "2 layers")
+
+
+def test_generate_with_eagle3_heads_equals_vanilla(eagle3_dir, tmp_path, tiny_llama, capsys):
+    """`--method eagle3 --heads` with converted SafeAILab heads decodes exactly like vanilla;
+    EAGLE-1 heads given to eagle3 are refused by name."""
+    from specjax.cli import main
+
+    d = eagle3_dir[0]
+    assert main(["convert", str(d), "--out", str(tmp_path / "sj")]) == 0
+    base = ["generate", "--model", str(tiny_llama[0]), "--raw", "--json", "--max-new-tokens", "16",
+            "--prompt", "The quick brown fox", "--prompt", "1 + 1 =", "--batch-size", "2"]
+    capsys.readouterr()
+    outs = []
+    for extra in ([], ["--method", "eagle3", "--heads", str(tmp_path / "sj"),
+                       "--eagle-total-tokens", "8", "--eagle-depth", "2", "--eagle-top-k", "3"]):
+        assert main(base + extra) == 0
+        outs.append([json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()])
+    assert outs[0] == outs[1]
+    assert main(["generate", "--model", str(tiny_llama[0]), "--raw", "--prompt", "hi",
+                 "--method", "eagle2", "--heads", str(tmp_path / "sj")]) == 1
+    assert "holds eagle3 heads, not eagle heads" in capsys.readouterr().err

@@ -94,7 +94,7 @@ class _EagleBase:
         if self.variant == "eagle3":
             from specjax.proposers.eagle3_net import draft_to_target, eagle3_logprobs
 
-            logp, ids = jax.lax.top_k(eagle3_logprobs(params["net"], hidden), k)
+            logp, ids = jax.lax.top_k(eagle3_logprobs(params["net"], self.config, hidden), k)
             return logp, draft_to_target(params["net"], ids).astype(jnp.int32)
         logp = jax.nn.log_softmax(eagle_logits(hidden, params["lm_head"]), axis=-1)
         logp, ids = jax.lax.top_k(logp, k)
