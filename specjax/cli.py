@@ -70,6 +70,14 @@ def _add_generate(sub):
     e.add_argument("--eagle-top-k", type=int, default=None,
                    help="EAGLE-2/3: children per expanded node and nodes expanded per depth "
                         "(default 8)")
+    r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
+    r.add_argument("--redrafter-num-beams", type=int, default=5, help="beams drafted per step")
+    r.add_argument("--redrafter-draft-len-per-beam", type=int, default=5,
+                   help="tokens each beam drafts")
+    r.add_argument("--redrafter-no-greedy-search", action="store_true",
+                   help="sample the beams at the request's temperature instead of beam search")
+    r.add_argument("--redrafter-warp-top-k", type=int, default=50,
+                   help="beam search keeps the drafter's K best tokens per step (0: all)")
     k.add_argument("--min-matching-ngram-size", type=int, default=1,
                    help="shortest n-gram to match (2 suits CPUs, where verifying costs more)")
 
@@ -178,7 +186,10 @@ def cmd_generate(args) -> int:
         posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
         eagle_choices=_parse_choices(args.eagle_choices, "--eagle-choices"),
         eagle_total_tokens=args.eagle_total_tokens, eagle_depth=args.eagle_depth,
-        eagle_top_k=args.eagle_top_k)
+        eagle_top_k=args.eagle_top_k, redrafter_num_beams=args.redrafter_num_beams,
+        redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
+        redrafter_greedy_search=not args.redrafter_no_greedy_search,
+        redrafter_warp_top_k=args.redrafter_warp_top_k or None)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))

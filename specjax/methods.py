@@ -8,7 +8,7 @@ from specjax.loading import Model, load_model
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
 
-METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3")
+METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3", "redrafter")
 DEFAULT_DRAFT_LAYERS = 8
 
 
@@ -23,7 +23,9 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   medusa_choices=None, posterior_threshold: float | None = None,
                   posterior_alpha: float = 0.3, eagle_choices=None,
                   eagle_total_tokens: int | None = None, eagle_depth: int | None = None,
-                  eagle_top_k: int | None = None):
+                  eagle_top_k: int | None = None, redrafter_num_beams: int = 5,
+                  redrafter_draft_len_per_beam: int = 5, redrafter_greedy_search: bool = True,
+                  redrafter_warp_top_k: int | None = 50):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
 
     draft: `draft_model` (a path or name of any model with the target's vocabulary), or else a
@@ -56,6 +58,21 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
         return _eagle(target, method, heads, eagle_choices,
                       {"total_tokens": eagle_total_tokens, "depth": eagle_depth,
                        "top_k": eagle_top_k})
+    if method == "redrafter":
+        from specjax.proposers.redrafter import make_redrafter
+
+        if heads is None:
+            raise MethodError("--method redrafter needs --heads PATH (a specjax ReDrafter head "
+                              "checkpoint)")
+        try:
+            return make_redrafter(target, heads, num_beams=redrafter_num_beams,
+                                  draft_len_per_beam=redrafter_draft_len_per_beam,
+                                  greedy_search=redrafter_greedy_search,
+                                  warp_top_k=redrafter_warp_top_k)
+        except ValueError as e:
+            if isinstance(e, MethodError) or type(e).__name__ == "CheckpointError":
+                raise
+            raise MethodError(str(e)) from None
     raise MethodError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
 
 

@@ -7,7 +7,7 @@ each acceptance rule, run vectorized over 32768 PRNG keys on those logits (a sec
 the second token when the first step accepted no draft), must match it by a chi-square test.
 Deliberately broken rules must fail the same test. Two end-to-end checks sample through
 Engine.generate with many seeds (Prompt-Lookup with the match rule, Draft-Target with the
-residual rule, Medusa and EAGLE-2 trees with the match rule).
+residual rule, Medusa, EAGLE-2 and sampled ReDrafter beams with the match rule).
 """
 
 from __future__ import annotations
@@ -315,6 +315,12 @@ def _tree_proposer(method, target):
         heads = proposer.init_params(key, CFG.hidden_size, lm_head_weight(target))
         heads = jax.tree_util.tree_map(lambda a: a + 0.3 * jax.random.normal(key, a.shape), heads)
         return proposer, {"heads": heads, "lm_head": lm_head_weight(target)}
+    if method == "redrafter":  # beams sampled at the request's temperature
+        from specjax.proposers.redrafter import ReDrafterProposer
+
+        p = ReDrafterProposer(CFG.hidden_size, V, num_beams=3, draft_len_per_beam=2,
+                              greedy_search=False)
+        return p, {"drafter": p.init_params(key, scale=3.0), "embed": target["embed"]}
     import dataclasses
 
     from specjax.proposers.eagle import EagleDynamicProposer
@@ -328,13 +334,13 @@ def _tree_proposer(method, target):
                       "lm_head": lm_head_weight(target)}
 
 
-@pytest.mark.parametrize("method", ["pld", "draft-residual", "medusa", "eagle2"])
+@pytest.mark.parametrize("method", ["pld", "draft-residual", "medusa", "eagle2", "redrafter"])
 def test_engine_sampling_is_lossless(models, tables, method):
     target, draft = models
     if method == "pld":
         sampling = SamplingConfig(temperature=0.8, top_k=8)
         proposer, params = PromptLookupProposer(prompt_lookup_num_tokens=3), None
-    elif method in ("medusa", "eagle2"):
+    elif method in ("medusa", "eagle2", "redrafter"):
         sampling = SamplingConfig(temperature=0.8, top_p=0.95)
         proposer, params = _tree_proposer(method, target)
     else:

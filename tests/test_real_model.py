@@ -113,6 +113,17 @@ def random_head_checkpoint(method, smol, out):
         heads = jax.tree_util.tree_map(lambda a: a + 0.02 * jax.random.normal(key, a.shape), heads)
         return save_heads(out, "medusa", heads, {**meta, "num_heads": 4, "num_layers": 1,
                                                  "own_lm_head": False})
+    if method == "eagle3":
+        from specjax.proposers.eagle3_net import init_eagle3_params, save_eagle3_heads
+
+        cfg3, net = init_eagle3_params(key, c, 2048, scale=0.02)
+        return save_eagle3_heads(out, cfg3, net, {"hidden_size": c.hidden_size,
+                                                  "vocab_size": c.vocab_size})
+    if method == "redrafter":
+        from specjax.proposers.redrafter import ReDrafterProposer, head_meta, save_redrafter
+
+        p = ReDrafterProposer(c.hidden_size, c.vocab_size)
+        return save_redrafter(out, p.init_params(key, scale=0.5), head_meta(p))
     cfg = dataclasses.replace(c, num_layers=1)
     layer = init_params(cfg, key, scale=0.02)["layers"][0]
     del layer["attn_norm"]
@@ -125,7 +136,9 @@ def random_head_checkpoint(method, smol, out):
 @pytest.mark.slow
 @pytest.mark.parametrize("method,options", [
     ("medusa", {}), ("eagle", {}),
-    ("eagle2", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4})])
+    ("eagle2", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4}),
+    ("eagle3", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4}),
+    ("redrafter", {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 4})])
 def test_head_methods_greedy_equals_vanilla(smol, method, options, tmp_path):
     """Correctness does not depend on head quality: random heads, same tokens as vanilla."""
     from specjax.methods import make_proposer

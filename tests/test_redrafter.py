@@ -359,3 +359,22 @@ def test_converter_and_loader_errors(tiny_llama, tmp_path, capsys):
     with pytest.raises(ValueError) as e:
         rd.ReDrafterProposer(hidden_size=64, vocab_size=320, num_beams=0)
     _one_line_error(e, "num_beams")
+
+
+def test_cli_redrafter_equals_vanilla(tiny_llama, tmp_path, capsys):
+    """`specjax generate --method redrafter --heads` (converted Apple drafter) == vanilla."""
+    d_dir, hf = tiny_llama
+    write_apple_drafter(tmp_path / "apple", hf.config.hidden_size, hf.config.vocab_size,
+                        rnn=True, layers=1)
+    assert main(["convert", str(tmp_path / "apple"), "--out", str(tmp_path / "sj")]) == 0
+    base = ["generate", "--model", str(d_dir), "--raw", "--json", "--max-new-tokens", "16",
+            "--prompt", "The quick brown fox", "--prompt", "1 + 1 =", "--batch-size", "2"]
+    capsys.readouterr()
+    outs = []
+    for extra in ([], ["--method", "redrafter", "--heads", str(tmp_path / "sj"),
+                       "--redrafter-num-beams", "3", "--redrafter-draft-len-per-beam", "3"]):
+        assert main(base + extra) == 0
+        outs.append([json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()])
+    assert outs[0] == outs[1]
+    assert main(base + ["--method", "redrafter"]) == 1
+    assert "needs --heads" in capsys.readouterr().err
