@@ -32,21 +32,26 @@ def _tensor_names(path: Path) -> list[str]:
     return list(torch.load(str(path), map_location="cpu", weights_only=True, mmap=True).keys())
 
 
-def is_eagle_dir(path: Path) -> bool:
-    """A directory holding SafeAILab EAGLE heads (an `fc` over [embedding; feature])."""
+def head_tensor_names(path: Path) -> list[str] | None:
+    """Tensor names of a head directory (config.json + weights file), else None."""
     path = Path(path)
     if not (path / "config.json").exists():
-        return False
-    for f in WEIGHT_FILES:
-        if (path / f).exists():
-            try:
-                names = _tensor_names(path / f)
-            except Exception:
-                return False
-            # EAGLE-3 heads (convert/eagle3.py) also hold an fc: a `midlayer` or d2t/t2d marks them.
-            return "fc.weight" in names and not any(
-                k.startswith(("model.", "midlayer.")) or k in ("d2t", "t2d") for k in names)
-    return False
+        return None
+    weights = next((path / f for f in WEIGHT_FILES if (path / f).exists()), None)
+    if weights is None:
+        return None
+    try:
+        return _tensor_names(weights)
+    except Exception:
+        return None
+
+
+def is_eagle_dir(path: Path) -> bool:
+    """A directory holding SafeAILab EAGLE heads (an `fc` over [embedding; feature])."""
+    names = head_tensor_names(path) or []
+    # EAGLE-3 heads (convert/eagle3.py) also hold an fc: a `midlayer` or d2t/t2d marks them.
+    return "fc.weight" in names and not any(
+        k.startswith(("model.", "midlayer.")) or k in ("d2t", "t2d") for k in names)
 
 
 def read_eagle(path: Path) -> tuple[dict, dict]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.eagle import WEIGHT_FILES, _tensor_names
+from convert.eagle import WEIGHT_FILES, head_tensor_names
 from specjax.checkpoint import (CheckpointError, _read_safetensors, _read_torch_bin, read_json,
                                 tensor_access)
 from specjax.config import ConfigError, ModelConfig
@@ -29,17 +29,8 @@ MARKERS = ("midlayer.", "d2t", "t2d")
 
 def is_eagle3_dir(path: Path) -> bool:
     """A directory holding SafeAILab EAGLE-3 heads (a `midlayer` and/or a d2t vocabulary map)."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        return False
-    for f in WEIGHT_FILES:
-        if (path / f).exists():
-            try:
-                names = _tensor_names(path / f)
-            except Exception:
-                return False
-            return "fc.weight" in names and any(n.startswith(MARKERS) for n in names)
-    return False
+    names = head_tensor_names(path) or []
+    return "fc.weight" in names and any(n.startswith(MARKERS) for n in names)
 
 
 def _as_int(name: str, arr: np.ndarray, shape) -> np.ndarray:

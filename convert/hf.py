@@ -9,31 +9,33 @@ from specjax.checkpoint import (CheckpointError, is_specjax_checkpoint, load_che
                                 save_specjax)
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) -> Path:
-    """Convert SRC (HF dir, specjax dir, .gguf file, embedded name, FasterDecoding Medusa heads
-    or SafeAILab EAGLE-1/2/3 heads) into `to` format at OUT.
+def _head_converters():
+    """(detector, converter) of each public draft-head format, most specific first."""
+    from convert.eagle import convert_eagle, is_eagle_dir
+    from convert.eagle3 import convert_eagle3, is_eagle3_dir
+    from convert.medusa import convert_medusa, is_medusa_dir
+    from convert.redrafter import convert_redrafter, is_redrafter_dir
 
-    `to` defaults to specjax, or to hf when SRC is already a specjax checkpoint.
+    return ((is_medusa_dir, convert_medusa),  # FasterDecoding/Medusa
+            (is_eagle3_dir, convert_eagle3),  # SafeAILab EAGLE-3 (also has an fc: before EAGLE)
+            (is_eagle_dir, convert_eagle),  # SafeAILab EAGLE-1/2
+            (is_redrafter_dir, convert_redrafter))  # apple/ml-recurrent-drafter
+
+
+def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) -> Path:
+    """Convert SRC (HF dir, specjax dir, .gguf file, embedded name, or draft heads: FasterDecoding
+    Medusa, SafeAILab EAGLE-1/2/3, apple ReDrafter) into `to` format at OUT.
+
+    `to` defaults to specjax, or to hf when SRC is already a specjax checkpoint; draft heads
+    always become a specjax head checkpoint.
     """
     from specjax.loading import resolve_model_path
 
     out = Path(out)
-    from convert.medusa import convert_medusa, is_medusa_dir
-
-    from convert.eagle import convert_eagle, is_eagle_dir
-
-    if Path(src).is_dir() and is_medusa_dir(Path(src)):  # public draft-head formats
-        return convert_medusa(src, out)
-    from convert.eagle3 import convert_eagle3, is_eagle3_dir
-
-    if Path(src).is_dir() and is_eagle3_dir(Path(src)):  # SafeAILab EAGLE-3 (before EAGLE-1/2)
-        return convert_eagle3(src, out)
-    if Path(src).is_dir() and is_eagle_dir(Path(src)):
-        return convert_eagle(src, out)
-    from convert.redrafter import convert_redrafter, is_redrafter_dir
-
-    if Path(src).is_dir() and is_redrafter_dir(Path(src)):  # apple/ml-recurrent-drafter
-        return convert_redrafter(src, out)
+    if Path(src).is_dir():
+        for detect, convert in _head_converters():
+            if detect(Path(src)):
+                return convert(src, out)
     path = resolve_model_path(str(src))
     if to is None:
         to = "hf" if is_specjax_checkpoint(path) else "specjax"
