@@ -235,16 +235,55 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="benchmark decoding methods per prompt category (Spec-Bench style)")
+    p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
+    p.add_argument("--methods", default="vanilla,pld,draft",
+                   help="comma-separated METHOD[:key=value...] (make_proposer options), e.g. "
+                        "'vanilla,pld:min_matching_ngram_size=2,eagle2:eagle_total_tokens=16'")
+    p.add_argument("--prompts", required=True, help="JSONL with 'turns' or 'prompt', and 'category'")
+    p.add_argument("--categories", nargs="+", default=None, help="categories to run (default all)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per category")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--peers", default="", help="'hf': transformers generate (vanilla, prompt "
+                                               "lookup, assisted) on the same weights")
+    p.add_argument("--heads-dir", default=None,
+                   help="folder with medusa/, eagle/, eagle3/, redrafter/ head checkpoints "
+                        "(default: the embedded model's shipped heads)")
+    p.add_argument("--out", required=True, help="output folder (re-running it resumes)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def cmd_bench(args) -> int:
+    from specjax.bench import run_bench
+
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    peers = [p for p in args.peers.split(",") if p]
+    result = run_bench(args.model, [m for m in args.methods.split(",") if m], args.prompts,
+                       args.out, categories=args.categories, limit=args.limit,
+                       max_new_tokens=args.max_new_tokens, peers=peers, heads_dir=args.heads_dir)
+    from specjax.bench import markdown_table
+
+    print(markdown_table(result["rows"]))
+    print(f"wrote {args.out}/results.json, results.md, results.png", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_bench(sub)
     from training.cli import add_train_parser, run_train
     add_train_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "convert": cmd_convert, "train": run_train}[args.command](args)
+        return {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench,
+                "train": run_train}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,291 @@
+"""Spec-Bench-style benchmark: every decoding method on a prompt file, per category, peers alongside.
+
+For each method and category: mean accepted tokens per target pass, tokens/s, speedup over our
+vanilla decoding in the same run, and whether the greedy output equalled vanilla's for every
+prompt. Peers (transformers `generate`: vanilla, prompt lookup, assisted generation with the same
+self-draft as ours) run on the same weights and prompts, so the table also gives
+specjax/transformers ratios. Each prompt is timed after a warm-up call of the same shapes (compile
+excluded), batch 1, greedy, stopping at EOS or max_new_tokens.
+
+Per-prompt records are appended to `records.jsonl` in the output folder as they finish; an
+interrupted run started again with the same folder skips what is there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+METHOD_HEADS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
+                "redrafter": "redrafter"}
+PEERS = ("hf-vanilla", "hf-pld", "hf-assisted")
+
+
+class BenchError(ValueError):
+    """Bad benchmark settings or prompt file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """One benchmarked configuration: `METHOD[:key=value[:key=value]]`, e.g.
+    `eagle2:eagle_total_tokens=16:eagle_depth=3` (keys are `make_proposer` keywords)."""
+
+    label: str
+    method: str
+    options: tuple = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "MethodSpec":
+        from specjax.methods import METHODS
+
+        method, *pairs = text.strip().split(":")
+        if method not in METHODS:
+            raise BenchError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
+        options = []
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise BenchError(f"method option '{pair}' in '{text}' is not key=value")
+            try:
+                options.append((key, json.loads(value)))
+            except json.JSONDecodeError:
+                options.append((key, value))
+        return cls(text.strip(), method, tuple(options))
+
+
+def read_bench_prompts(path, categories=None, limit=None) -> list[dict]:
+    """[{category, index, text}] from a DESIGN.md JSONL file (`turns` or `prompt`, `category`),
+    at most `limit` per category, spread over the file."""
+    path = Path(path)
+    if not path.exists():
+        raise BenchError(f"prompts file not found: {path}")
+    by_cat: dict[str, list[str]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            text = rec["turns"][0] if "turns" in rec else rec["prompt"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise BenchError(f"{path}:{n}: expected a JSON object with 'turns' or 'prompt'") from None
+        by_cat.setdefault(str(rec.get("category", "all")), []).append(str(text))
+    if not by_cat:
+        raise BenchError(f"{path} holds no prompts")
+    cats = list(categories) if categories else list(by_cat)
+    missing = [c for c in cats if c not in by_cat]
+    if missing:
+        raise BenchError(f"no prompts of category {missing[0]} in {path} (has {', '.join(by_cat)})")
+    out = []
+    for c in cats:
+        texts = by_cat[c]
+        step = max(1, len(texts) // limit) if limit else 1
+        picked = texts[::step][:limit] if limit else texts
+        out += [{"category": c, "index": i, "text": t} for i, t in enumerate(picked)]
+    return out
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def _load_records(path: Path) -> dict:
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by an interruption
+                continue
+            done[(r["category"], r["index"], r["method"])] = r
+    return done
+
+
+def _hf_models(model, draft_layers: int, max_draft_len: int):
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32).eval()
+    draft = copy.deepcopy(hf)  # the same self-draft as ours: the first layers, norm and head
+    draft.model.layers = torch.nn.ModuleList(list(draft.model.layers)[:draft_layers])
+    draft.config.num_hidden_layers = draft_layers
+    draft.generation_config.num_assistant_tokens = max_draft_len
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    return hf, draft
+
+
+def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, categories=None,
+              limit: int | None = None, max_new_tokens: int = 128, peers=(), heads_dir=None,
+              page_size: int = 16, progress: bool = True) -> dict:
+    """Run the benchmark; writes records.jsonl, results.json, results.md and results.png in
+    out_dir and returns the results dict."""
+    from tqdm import tqdm
+
+    from specjax import Engine, load_model
+    from specjax.cli import encode_prompt
+    from specjax.methods import make_proposer
+
+    specs = [MethodSpec.parse(m) for m in methods]
+    if not specs or specs[0].method != "vanilla" or specs[0].options:
+        specs = [MethodSpec.parse("vanilla")] + [s for s in specs if s.label != "vanilla"]
+    unknown = [p for p in peers if p != "hf"]
+    if unknown:
+        raise BenchError(f"unknown peer '{unknown[0]}' (available: hf)")
+    prompts = read_bench_prompts(prompts_file, categories, limit)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = load_model(model_name)
+    proposers = {}
+    for s in specs:
+        opts = dict(s.options)
+        if s.method in METHOD_HEADS and "heads" not in opts and heads_dir is not None:
+            opts["heads"] = str(Path(heads_dir) / METHOD_HEADS[s.method])
+        proposers[s.label] = make_proposer(s.method, model, **opts)
+    encoded = [encode_prompt(model.tokenizer, p["text"], raw=False) for p in prompts]
+    longest = max(len(e) for e in encoded) + max_new_tokens + 128
+    engine = Engine(model.params, model.config, page_size=page_size,
+                    num_pages=2 * (-(-longest // page_size)) + 8)
+    records_path = out_dir / "records.jsonl"
+    done = _load_records(records_path)
+    hf = hf_draft = None
+    draft_spec = next((s for s in specs if s.method == "draft"), None)
+    draft_opts = dict(draft_spec.options) if draft_spec else {}
+    labels = [s.label for s in specs] + (list(PEERS) if peers else [])
+    todo = [(p, e, m) for p, e in zip(prompts, encoded) for m in labels
+            if (p["category"], p["index"], m) not in done]
+    with records_path.open("a") as log:
+        for p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
+            if label in PEERS:
+                if hf is None:
+                    hf, hf_draft = _hf_models(model, draft_opts.get("draft_layers", 8),
+                                              draft_opts.get("max_draft_len", 4))
+                rec = _run_hf(hf, hf_draft, label, prompt, max_new_tokens,
+                              draft_opts.get("prompt_lookup_num_tokens", 10))
+            else:
+                proposer, pparams = proposers[label]
+                kw = dict(proposer=proposer, proposer_params=pparams)
+                engine.generate([prompt], max_new_tokens, warmup=True, **kw)
+                out = engine.generate([prompt], max_new_tokens, **kw)
+                rec = {"tokens": len(out.token_ids[0]), "seconds": out.seconds,
+                       "steps": out.steps[0], "token_ids": out.token_ids[0]}
+            rec.update(category=p["category"], index=p["index"], method=label)
+            done[(p["category"], p["index"], label)] = rec
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+    rows = summarize(done, [p for p in prompts], labels)
+    result = {"machine": _machine(), "model": model_name, "max_new_tokens": max_new_tokens,
+              "batch": 1, "prompts_file": str(prompts_file), "rows": rows}
+    write_results(result, out_dir)
+    return result
+
+
+def _run_hf(hf, hf_draft, label, prompt, max_new_tokens, pld_tokens) -> dict:
+    import torch
+
+    extra = {"hf-vanilla": {}, "hf-pld": {"prompt_lookup_num_tokens": pld_tokens},
+             "hf-assisted": {"assistant_model": hf_draft}}[label]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        t = time.perf_counter()
+        res = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
+        seconds = time.perf_counter() - t
+    return {"tokens": int(res.shape[1] - ids.shape[1]), "seconds": seconds, "steps": None,
+            "token_ids": res[0, ids.shape[1]:].tolist()}
+
+
+def summarize(records: dict, prompts: list[dict], labels: list[str]) -> list[dict]:
+    """One row per (category, method): sums over the category's prompts."""
+    rows = []
+    for cat in dict.fromkeys(p["category"] for p in prompts):
+        idx = [p["index"] for p in prompts if p["category"] == cat]
+        base = {}
+        for label in labels:
+            recs = [records[(cat, i, label)] for i in idx if (cat, i, label) in records]
+            if not recs:
+                continue
+            tokens = sum(r["tokens"] for r in recs)
+            seconds = sum(r["seconds"] for r in recs)
+            tps = tokens / seconds if seconds else 0.0
+            peer = label.startswith("hf-")
+            if label in ("vanilla", "hf-vanilla"):
+                base["hf" if peer else "ours"] = tps
+            vanilla = [records.get((cat, r["index"], "vanilla")) for r in recs]
+            steps = None if peer else sum(r["steps"] for r in recs)
+            rows.append({
+                "category": cat, "method": label, "library": "transformers" if peer else "specjax",
+                "prompts": len(recs), "new_tokens": tokens,
+                "mean_accepted": round(tokens / steps, 3) if steps else None,
+                "tokens_per_s": round(tps, 2),
+                "speedup_vs_vanilla": round(tps / base["ours"], 3) if base.get("ours") else None,
+                "speedup_vs_own_vanilla": round(tps / base["hf" if peer else "ours"], 3)
+                if base.get("hf" if peer else "ours") else None,
+                "greedy_equals_vanilla": None if peer else
+                f"{sum(v is not None and v['token_ids'] == r['token_ids'] for v, r in zip(vanilla, recs))}/{len(recs)}",
+            })
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| category | method | mean accepted | tokens/s | speedup vs specjax vanilla | "
+             "speedup vs own vanilla | greedy = vanilla |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r["method"] if r["library"] == "specjax" else f"transformers {r['method'][3:]}"
+        fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+        lines.append(f"| {r['category']} | {name} | {r['mean_accepted'] or '-'} | "
+                     f"{r['tokens_per_s']} | {fmt(r['speedup_vs_vanilla'])} | "
+                     f"{fmt(r['speedup_vs_own_vanilla'])} | {r['greedy_equals_vanilla'] or '-'} |")
+    return "\n".join(lines)
+
+
+def write_results(result: dict, out_dir: Path) -> None:
+    """results.json, results.md (the table) and results.png (speedup per method and category)."""
+    out_dir = Path(out_dir)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown_table(result["rows"])
+    (out_dir / "results.md").write_text(
+        f"{result['model']}, batch 1, up to {result['max_new_tokens']} new tokens, greedy, "
+        f"{result['machine']}\n\n{table}\n")
+    plot_speedup(result, out_dir / "results.png")
+
+
+def plot_speedup(result: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["method"] not in ("vanilla", "hf-vanilla")]
+    cats = list(dict.fromkeys(r["category"] for r in result["rows"]))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(cats) + 0.6 * len(methods)), 4.2))
+    width = 0.8 / max(1, len(methods))
+    for m, method in enumerate(methods):
+        vals = [next((r["speedup_vs_own_vanilla"] or 0 for r in rows
+                      if r["category"] == c and r["method"] == method), 0) for c in cats]
+        xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(cats))]
+        ax.bar_label(ax.bar(xs, vals, width, label=method), fmt="%.2f", fontsize=6)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(cats)), cats)
+    ax.set_ylabel("speedup vs own vanilla")
+    ax.set_title(f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
+                 f"{result['machine']}", fontsize=8)
+    if methods:
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

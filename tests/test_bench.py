@@ -1,0 +1,75 @@
+"""`specjax bench`: a tiny run writes results.json, results.md and results.png that agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specjax.bench import BenchError, MethodSpec, read_bench_prompts
+from specjax.cli import main
+
+
+@pytest.fixture()
+def prompt_file(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    recs = [{"category": "code", "turns": ["def add(a, b):"]},
+            {"category": "chat", "prompt": "The quick brown fox"},
+            {"category": "chat", "turns": ["Hello! How are you today?"]}]
+    f.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return f
+
+
+def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--model", str(tiny_llama[0]), "--methods", "vanilla,pld:prompt_lookup_num_tokens=3",
+            "--prompts", str(prompt_file), "--max-new-tokens", "12", "--out", str(out),
+            "--peers", "hf"]
+    assert main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "results.png").stat().st_size > 1000
+    peers = [r for r in res["rows"] if r["library"] == "transformers"]
+    assert {(r["category"], r["method"]) for r in peers} == {
+        (c, m) for c in ("code", "chat") for m in ("hf-vanilla", "hf-pld", "hf-assisted")}
+    assert all(r["speedup_vs_own_vanilla"] == 1.0 for r in peers if r["method"] == "hf-vanilla")
+    rows = [r for r in res["rows"] if r["library"] == "specjax"]
+    assert {(r["category"], r["method"]) for r in rows} == {
+        (c, m) for c in ("code", "chat") for m in ("vanilla", "pld:prompt_lookup_num_tokens=3")}
+    for r in rows:
+        assert r["mean_accepted"] >= 1 and r["tokens_per_s"] > 0
+        assert r["greedy_equals_vanilla"] == f"{r['prompts']}/{r['prompts']}"
+        if r["method"] == "vanilla":
+            assert r["speedup_vs_vanilla"] == 1.0 and r["mean_accepted"] == 1.0
+    assert [r["prompts"] for r in rows if r["method"] == "vanilla"] == [1, 2]
+    # The markdown table and the JSON agree, row by row.
+    table = (out / "results.md").read_text().splitlines()
+    body = [line for line in table if line.startswith("| ") and not line.startswith("| category")]
+    assert len(body) == len(res["rows"])
+    body = [line for line in body if "transformers" not in line]
+    for line, r in zip(body, rows):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == r["category"] and cells[1] == r["method"]
+        assert float(cells[2]) == r["mean_accepted"] and float(cells[3]) == r["tokens_per_s"]
+        assert cells[4] == f"{r['speedup_vs_vanilla']:.2f}x"
+    assert capsys.readouterr().out.strip() == "\n".join(table[2:]).strip()
+    # A second run over the same folder resumes: nothing is recomputed.
+    before = (out / "records.jsonl").read_text()
+    assert main(args) == 0
+    assert (out / "records.jsonl").read_text() == before
+
+
+def test_method_specs_and_prompt_errors(tmp_path):
+    spec = MethodSpec.parse("eagle2:eagle_total_tokens=16:eagle_depth=3")
+    assert spec.method == "eagle2" and dict(spec.options) == {"eagle_total_tokens": 16, "eagle_depth": 3}
+    with pytest.raises(BenchError, match="unknown method 'nope'"):
+        MethodSpec.parse("nope")
+    with pytest.raises(BenchError, match="not key=value"):
+        MethodSpec.parse("pld:oops")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{not json}\n')
+    with pytest.raises(BenchError, match="bad.jsonl:2"):
+        read_bench_prompts(bad)
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "category": "x"}\n')
+    with pytest.raises(BenchError, match="no prompts of category y"):
+        read_bench_prompts(good, ["y"])
