@@ -23,6 +23,7 @@ class Model:
     path: Path
     hf_config: dict
     _tokenizer: object = None
+    name: str | None = None  # the embedded name when loaded by one (e.g. "smollm2-135m")
 
     @property
     def tokenizer(self):
@@ -75,4 +76,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None) -> Model:
     dtype = default_dtype() if dtype is None else dtype
     params, config, hf_config = load_checkpoint(path, np.float32)
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
-    return Model(params, config, path, hf_config)
+    from convert.registry import is_embedded
+
+    name = str(name_or_path) if is_embedded(str(name_or_path)) else None
+    return Model(params, config, path, hf_config, name=name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 
 from specjax.loading import Model, load_model
@@ -14,6 +16,20 @@ DEFAULT_DRAFT_LAYERS = 8
 
 class MethodError(ValueError):
     """Unknown method or options that do not fit it."""
+
+
+# Trained heads shipped for embedded models: examples/heads/<model name>/<kind>/.
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "examples" / "heads"
+HEAD_KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
+              "redrafter": "redrafter"}
+
+
+def shipped_heads(model: Model, method: str) -> Path | None:
+    """The project's trained heads of `method` for an embedded model, when they exist."""
+    if model.name is None or method not in HEAD_KINDS:
+        return None
+    path = SHIPPED_HEADS / model.name / HEAD_KINDS[method]
+    return path if (path / "specjax.json").exists() else None
 
 
 def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_logits: bool = False,
@@ -33,6 +49,9 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     """
     if method == "vanilla":
         return None, None
+    if heads is None and method in HEAD_KINDS:
+        found = shipped_heads(target, method)
+        heads = None if found is None else str(found)
     if method == "pld":
         return PromptLookupProposer(prompt_lookup_num_tokens, max_matching_ngram_size,
                                     min_matching_ngram_size), None
