@@ -67,6 +67,9 @@ def _add_generate(sub):
     e.add_argument("--eagle-depth", type=int, default=None,
                    help="EAGLE-2/3: expansion passes after the first, so paths of up to depth + 1 "
                         "drafted tokens (default 5)")
+    e.add_argument("--eagle-draft-vocab", type=int, default=None,
+                   help="EAGLE-1/2: draft only the N most frequent tokens (heads trained by "
+                        "specjax store the order; default: all the heads store)")
     e.add_argument("--eagle-top-k", type=int, default=None,
                    help="EAGLE-2/3: children per expanded node and nodes expanded per depth "
                         "(default 8)")
@@ -186,7 +189,8 @@ def cmd_generate(args) -> int:
         posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
         eagle_choices=_parse_choices(args.eagle_choices, "--eagle-choices"),
         eagle_total_tokens=args.eagle_total_tokens, eagle_depth=args.eagle_depth,
-        eagle_top_k=args.eagle_top_k, redrafter_num_beams=args.redrafter_num_beams,
+        eagle_top_k=args.eagle_top_k, eagle_draft_vocab=args.eagle_draft_vocab,
+        redrafter_num_beams=args.redrafter_num_beams,
         redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
         redrafter_greedy_search=not args.redrafter_no_greedy_search,
         redrafter_warp_top_k=args.redrafter_warp_top_k or None)

@@ -39,7 +39,8 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   medusa_choices=None, posterior_threshold: float | None = None,
                   posterior_alpha: float = 0.3, eagle_choices=None,
                   eagle_total_tokens: int | None = None, eagle_depth: int | None = None,
-                  eagle_top_k: int | None = None, redrafter_num_beams: int = 5,
+                  eagle_top_k: int | None = None, eagle_draft_vocab: int | None = None,
+                  redrafter_num_beams: int = 5,
                   redrafter_draft_len_per_beam: int = 5, redrafter_greedy_search: bool = True,
                   redrafter_warp_top_k: int | None = 50):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
@@ -76,7 +77,7 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     if method in ("eagle", "eagle2", "eagle3"):
         return _eagle(target, method, heads, eagle_choices,
                       {"total_tokens": eagle_total_tokens, "depth": eagle_depth,
-                       "top_k": eagle_top_k})
+                       "top_k": eagle_top_k}, eagle_draft_vocab)
     if method == "redrafter":
         from specjax.proposers.redrafter import make_redrafter
 
@@ -95,7 +96,8 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     raise MethodError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
 
 
-def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_options: dict):
+def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_options: dict,
+           draft_vocab: int | None = None):
     """EAGLE-1 (static tree, `eagle_choices`), EAGLE-2 (dynamic tree) over EAGLE heads, or
     EAGLE-3 (dynamic tree) over EAGLE-3 heads."""
     from specjax.model import lm_head_weight
@@ -122,6 +124,19 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
         config, net = load_eagle_heads(heads, target.config)
     params = {"net": cast(net), "embed": target.params["embed"],
               "lm_head": lm_head_weight(target.params)}
+    if method == "eagle3" and draft_vocab is not None:
+        raise MethodError("--eagle-draft-vocab is an EAGLE-1/2 option: EAGLE-3 heads have their "
+                          "own draft vocabulary")
+    if method != "eagle3" and ("draft_ids" in net or draft_vocab is not None):
+        from specjax.proposers.eagle_net import draft_vocabulary
+
+        ids = net.pop("draft_ids", jax.numpy.arange(target.config.vocab_size))
+        params["net"].pop("draft_ids", None)
+        try:
+            params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids,
+                                                                      draft_vocab)
+        except ValueError as e:
+            raise MethodError(str(e)) from None
     given = {k: v for k, v in tree_options.items() if v is not None}
     try:
         if method == "eagle":

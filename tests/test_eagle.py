@@ -264,3 +264,26 @@ def test_eagle3_tree_nodes_are_in_the_draft_vocabulary(target):
         if i:
             ids, _ = _chain_top(proposer, pparams, state, ctx, path[:-1], 3)
             assert path[-1] in ids
+
+
+def test_frequent_token_draft_vocabulary(target):
+    """Drafting from the lm_head rows of a subset of tokens (FR-Spec): trees hold only those
+    tokens, and output still equals vanilla."""
+    import numpy as np
+
+    from specjax.proposers.eagle_net import draft_vocabulary
+
+    draft_cfg, net = random_eagle(jax.random.PRNGKey(3))
+    order = jax.random.permutation(jax.random.PRNGKey(9), CFG.vocab_size)
+    head, ids = draft_vocabulary(lm_head_weight(target), order, 20)
+    pparams = {"net": net, "embed": target["embed"], "lm_head": head, "draft_ids": ids}
+    proposer = EagleDynamicProposer(draft_cfg, total_tokens=10, depth=3, top_k=3)
+    state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0])
+    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    assert set(np.asarray(tree.tokens[0, 1:]).tolist()) <= set(np.asarray(ids).tolist())
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
+    spec = eng.generate(PROMPTS, 16, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    assert spec.token_ids == vanilla.token_ids
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        draft_vocabulary(lm_head_weight(target), order, 0)

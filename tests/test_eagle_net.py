@@ -106,13 +106,16 @@ def test_generate_with_eagle_heads_equals_vanilla(eagle_dir, tmp_path, tiny_llam
                        + heads) == vanilla
     assert _cli_tokens(capsys, base + ["--method", "eagle2", "--eagle-total-tokens", "10",
                                        "--eagle-depth", "3", "--eagle-top-k", "3"] + heads) == vanilla
+    assert _cli_tokens(capsys, base + ["--method", "eagle2", "--eagle-draft-vocab", "64"]
+                       + heads) == vanilla
 
 
 @pytest.mark.parametrize("case,words", [("no-heads", ["needs --heads"]),
                                         ("hidden", ["hidden_size 32", "64"]),
                                         ("kind", ["not a specjax head checkpoint"]),
                                         ("eagle2-opt-to-eagle", ["EAGLE-2 options"]),
-                                        ("too-many", ["exceeds"])])
+                                        ("too-many", ["exceeds"]),
+                                        ("vocab", ["draft vocabulary size", "320"])])
 def test_eagle_errors(eagle_dir, tmp_path, tiny_llama, capsys, case, words):
     from specjax.cli import main
 
@@ -130,6 +133,8 @@ def test_eagle_errors(eagle_dir, tmp_path, tiny_llama, capsys, case, words):
     elif case == "eagle2-opt-to-eagle":
         args[-1] = "eagle"
         args += ["--heads", str(tmp_path / "sj"), "--eagle-depth", "2"]
+    elif case == "vocab":
+        args += ["--heads", str(tmp_path / "sj"), "--eagle-draft-vocab", "0"]
     elif case == "too-many":
         args += ["--heads", str(tmp_path / "sj"), "--eagle-total-tokens", "100",
                  "--eagle-depth", "1", "--eagle-top-k", "2"]

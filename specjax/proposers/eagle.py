@@ -17,7 +17,8 @@ are the draft's top tokens, a deterministic function of the context):
 Tree nodes drafted over several calls sit in draft-cache scratch slots after the committed pairs;
 each call attends to its ancestors there through a mask over those slots.
 `variant` selects the network: "eagle" (EAGLE-1/2: fc over [embedding; feature], the target's
-lm_head) or "eagle3" (three fused target layers, own reduced-vocabulary lm_head).
+lm_head, or its rows of frequent tokens with params["draft_ids"]) or "eagle3" (three fused target
+layers, own reduced-vocabulary lm_head).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class _EagleBase:
             return logp, draft_to_target(params["net"], ids).astype(jnp.int32)
         logp = jax.nn.log_softmax(eagle_logits(hidden, params["lm_head"]), axis=-1)
         logp, ids = jax.lax.top_k(logp, k)
+        if "draft_ids" in params:  # lm_head holds only these target ids' rows
+            ids = params["draft_ids"][ids]
         return logp, ids.astype(jnp.int32)
 
     def make_pools(self, num_pages, page_size, dtype):

@@ -50,4 +50,22 @@ def load_eagle_heads(path, target_config: ModelConfig | None = None) -> tuple[Mo
         check_compatible(meta, target_config, path)
     config = ModelConfig.from_hf(meta["config"])
     layers = [variables["layers"][str(i)] for i in range(config.num_layers)]
-    return config, {"fc": variables["fc"], "layers": layers}
+    params = {"fc": variables["fc"], "layers": layers}
+    if "draft_ids" in variables:  # target ids by training-data frequency (see draft_vocabulary)
+        params["draft_ids"] = variables["draft_ids"].astype(jnp.int32)
+    return config, params
+
+
+def draft_vocabulary(lm_head, draft_ids, size: int | None):
+    """(lm_head rows, their target ids) of the `size` most frequent tokens, for drafting.
+
+    Scoring only frequent tokens (FR-Spec, Zhao et al. 2025) cuts the draft's vocabulary
+    projection, the largest cost of a small-model EAGLE draft step, by V / size; the target
+    still verifies every token, so output is unchanged, only rare tokens are never drafted.
+    """
+    ids = jnp.asarray(draft_ids, jnp.int32)
+    if size is not None:
+        if not 1 <= size <= ids.shape[0]:
+            raise ValueError(f"draft vocabulary size must be in [1, {ids.shape[0]}], got {size}")
+        ids = ids[:size]
+    return lm_head[ids], ids
