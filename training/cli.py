@@ -15,7 +15,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     from training.methods import METHODS
 
     p = subparsers.add_parser(
-        "train", help="train draft heads (Medusa, EAGLE) for a base model",
+        "train", help="train draft heads (Medusa, EAGLE, EAGLE-3, ReDrafter) for a base model",
         description="Self-distillation data, teacher-forced features, training and evaluation; "
                     "every stage resumes from what the output (and data) folder holds.")
     p.add_argument("--method", required=True, choices=sorted(METHODS))
@@ -56,6 +56,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--own-lm-head", action="store_true",
                    help="Medusa: a vocabulary projection per head (default: the base's, frozen)")
     m.add_argument("--noise-std", type=float, default=None, help="EAGLE feature noise (0.2)")
+    m.add_argument("--draft-steps", type=int, default=None,
+                   help="EAGLE-3 training-time-test steps (7) / ReDrafter drafted tokens (5)")
+    m.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="EAGLE-3 draft vocabulary: most frequent answer tokens (8192)")
     e = p.add_argument_group("evaluation")
     e.add_argument("--eval-prompts", type=int, default=20,
                    help="held-out prompts of the same file (never trained on)")
@@ -79,7 +83,8 @@ def config_from_args(args):
     if args.max_prompts < 0 or args.eval_prompts < 0:
         raise TrainError("--max-prompts and --eval-prompts must be >= 0")
     options = {"num_heads": args.num_heads, "num_layers": args.num_layers,
-               "noise_std": args.noise_std, "own_lm_head": True if args.own_lm_head else None}
+               "noise_std": args.noise_std, "own_lm_head": True if args.own_lm_head else None,
+               "steps": args.draft_steps, "draft_vocab_size": args.draft_vocab_size}
     return TrainConfig(
         method=args.method, base=args.base, prompts=args.prompts, out=args.out, data=args.data,
         max_prompts=args.max_prompts or None, max_prompt_tokens=args.max_prompt_tokens,

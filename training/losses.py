@@ -12,6 +12,16 @@ regresses the feature of t + 1: smooth-L1 (beta 1) averaged over the hidden dime
 not the hard token) under log_softmax(lm_head(predicted)); both averaged over loss-mask tokens
 (sum / (mask.sum() + 1e-5)). Input features get uniform noise (U[0,1) - 0.5) * 0.2 * 512 / n,
 n the sequence's length (`AddUniformNoise`, std 0.2).
+
+EAGLE-3 (SafeAILab/EAGLE eagle/traineagle3/cnets.py and main.py): a training-time test of 7
+steps; step i scores, at position t, the draft's log-probabilities over its reduced vocabulary
+against softmax of the target's logits of position t + 1 + i restricted to that vocabulary
+(soft labels), counted where the target's argmax lies in the draft vocabulary and token t + i is
+an answer token; steps weigh 0.8^i; no feature regression, no noise.
+
+ReDrafter (apple/ml-recurrent-drafter recurrent_drafting/train/loss.py and model.py): step i
+(0-based) of the RNN predicts token t + i + 2 from [h_t; s_{i+1}], cross-entropy on answer
+tokens, steps summed with weight 1.
 """
 
 from __future__ import annotations
@@ -35,6 +45,18 @@ def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY):
     Head k at position t is scored on tokens[t + k + 2] where that token is an answer token.
     Returns (sum_k decay^(k+1) * CE_k, {"loss_k": [K], "acc_k": [K] top-1 accuracy}).
     """
+    k = logits.shape[2]
+    return shifted_ce_loss(logits, tokens, mask, decay ** jnp.arange(1, k + 1, dtype=jnp.float32))
+
+
+def redrafter_loss(logits, tokens, mask):
+    """ReDrafter loss of step logits [B, T, K, V]: step k at t is scored on tokens[t + k + 2]
+    (answer tokens only); the steps' cross-entropies are summed (Apple's drafter_loss)."""
+    return shifted_ce_loss(logits, tokens, mask, jnp.ones((logits.shape[2],), jnp.float32))
+
+
+def shifted_ce_loss(logits, tokens, mask, weights):
+    """sum_k weights[k] * CE(logits[:, t, k], tokens[:, t + k + 2]) over answer-token labels."""
     b, t, k, v = logits.shape
     losses, accs = [], []
     for j in range(k):
@@ -47,7 +69,6 @@ def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY):
         losses.append(_masked_mean(nll, m))
         accs.append(_masked_mean(jnp.argmax(lg, -1) == lab, m))
     losses = jnp.stack(losses)
-    weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
     return jnp.sum(weights * losses), {"loss_k": losses, "acc_k": jnp.stack(accs)}
 
 
@@ -71,10 +92,13 @@ def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: fl
     p_logits = jnp.einsum("btd,vd->btv", predicted, lm_head, preferred_element_type=jnp.float32)
     logp = jax.nn.log_softmax(p_logits, axis=-1)
     ploss = -jnp.sum(m * jnp.sum(target_p * logp, axis=-1)) / denom
+    # ploss minus its floor (the target's entropy): the KL divergence the draft still has
+    entropy = -jnp.sum(m * jnp.sum(target_p * jax.nn.log_softmax(t_logits, -1), axis=-1)) / denom
     vloss = jnp.sum(m * jnp.mean(smooth_l1(predicted.astype(jnp.float32),
                                            target.astype(jnp.float32)), axis=-1)) / denom
     acc = jnp.sum(m * (jnp.argmax(p_logits, -1) == jnp.argmax(t_logits, -1))) / denom
-    return v_w * vloss + p_w * ploss, {"vloss": vloss, "ploss": ploss, "acc_k": acc[None]}
+    return v_w * vloss + p_w * ploss, {"vloss": vloss, "ploss": ploss, "kl": ploss - entropy,
+                                       "acc_k": acc[None]}
 
 
 def uniform_feature_noise(key, features, lengths, std: float = EAGLE_NOISE_STD):
@@ -97,3 +121,48 @@ def eagle_shift(tokens, final, mask, valid):
     target = jnp.concatenate([final[:, 1:], jnp.zeros_like(final[:, :1])], axis=1)
     nxt_valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
     return nxt_tok, final, target, mask & valid & nxt_valid
+
+
+EAGLE3_STEPS = 7
+EAGLE3_DECAY = 0.8
+
+
+def shift_left(x, n: int):
+    """x[:, t + n] at position t (zeros past the end), for [B, T, ...] arrays."""
+    if n == 0:
+        return x
+    pad = jnp.zeros_like(x[:, :n])
+    return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def eagle3_loss(step_logp, target_logits, target_in_vocab, mask, valid,
+                decay: float = EAGLE3_DECAY):
+    """EAGLE-3 training-time-test loss.
+
+    step_logp [K, B, T, N]: the draft's log-probabilities (draft vocabulary of N ids) at step i,
+    position t; target_logits [B, T, N]: the target's logits restricted to the draft vocabulary;
+    target_in_vocab bool[B, T]: the target's argmax at t lies in the draft vocabulary; mask:
+    answer tokens; valid: real tokens. Step i at t is scored against position t + 1 + i where
+    the argmax is covered and token t + i is an answer token. Each step's loss is normalised by
+    the real positions (SafeAILab takes the mean over all B x T positions of an unpadded batch).
+    Returns (sum_i decay^i loss_i, {"loss_k": [K], "acc_k": [K]}).
+    """
+    k = step_logp.shape[0]
+    target_p = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+    n_pos = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+    target_logp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
+    losses, accs, kls = [], [], []
+    for i in range(k):
+        tp = shift_left(target_p, 1 + i)
+        pm = (shift_left(target_in_vocab, 1 + i) & shift_left(mask, i)
+              & shift_left(valid, 1 + i)).astype(jnp.float32)
+        logp = step_logp[i].astype(jnp.float32)
+        losses.append(-jnp.sum(pm * jnp.sum(tp * logp, axis=-1)) / n_pos)
+        ent = -jnp.sum(pm * jnp.sum(tp * shift_left(target_logp, 1 + i), axis=-1)) / n_pos
+        kls.append(losses[-1] - ent)
+        hit = (jnp.argmax(logp, -1) == jnp.argmax(tp, -1)).astype(jnp.float32)
+        accs.append(jnp.sum(hit * pm) / (jnp.sum(shift_left(mask, i) & valid) + 1e-6))
+    losses = jnp.stack(losses)
+    weights = decay ** jnp.arange(k, dtype=jnp.float32)
+    return jnp.sum(weights * losses), {"loss_k": losses, "acc_k": jnp.stack(accs),
+                                       "kl": jnp.sum(weights * jnp.stack(kls))}

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.model import init_params as init_model_params
@@ -23,7 +24,11 @@ from training.features import FeatureSpec, scratch_cache
 
 
 class TrainMethod:
-    """Interface of a trainable method (documentation; methods below implement it)."""
+    """Interface of a trainable method (documentation; methods below implement it).
+
+    `frozen` is {"base": the base model's parameters, **constants(...)}: inputs of the train
+    step that are never differentiated (e.g. EAGLE-3's draft-vocabulary map, derived from data).
+    """
 
     name: str  # CLI name
     kind: str  # head checkpoint kind (specjax.json "kind")
@@ -31,11 +36,15 @@ class TrainMethod:
 
     def feature_spec(self, config: ModelConfig, dtype: str) -> FeatureSpec: ...
 
-    def init_params(self, key, base_params, config: ModelConfig) -> Any: ...
+    def constants(self, store, config: ModelConfig, init_heads=None) -> dict:
+        """Frozen arrays the method derives from the training data (default: none)."""
+        return {}
 
-    def loss(self, params, base_params, config: ModelConfig, batch: dict, key) -> tuple: ...
+    def init_params(self, key, frozen, config: ModelConfig) -> Any: ...
 
-    def export(self, params, config: ModelConfig) -> tuple[dict, dict]:
+    def loss(self, params, frozen, config: ModelConfig, batch: dict, key) -> tuple: ...
+
+    def export(self, params, frozen, config: ModelConfig) -> tuple[dict, dict]:
         """(flax-style variables dict, meta) for `specjax.heads.save_heads`."""
 
     def params_from_heads(self, path, config: ModelConfig) -> Any:
@@ -73,8 +82,8 @@ class MedusaMethod(TrainMethod):
     def feature_spec(self, config, dtype="float16"):
         return FeatureSpec(final=True, dtype=dtype)
 
-    def init_params(self, key, base_params, config):
-        head = lm_head_weight(base_params).astype(jnp.float32)
+    def init_params(self, key, frozen, config):
+        head = lm_head_weight(frozen["base"]).astype(jnp.float32)
         variables = self._module(config).init(key, jnp.zeros((1, config.hidden_size)), head)
         if self.own_lm_head:  # start from the base's head, as Medusa does
             params = dict(variables["params"])
@@ -92,12 +101,12 @@ class MedusaMethod(TrainMethod):
                                          lm_head_weight(base_params).astype(jnp.float32))
         return out.reshape(b, t, self.num_heads, -1)
 
-    def loss(self, params, base_params, config, batch, key):
-        logits = self.logits(params, base_params, config, batch["final"])
+    def loss(self, params, frozen, config, batch, key):
+        logits = self.logits(params, frozen["base"], config, batch["final"])
         return losses.medusa_loss(logits, batch["tokens"], batch["mask"] & batch["valid"],
                                   self.decay)
 
-    def export(self, params, config):
+    def export(self, params, frozen, config):
         meta = {"num_heads": self.num_heads, "num_layers": self.num_layers,
                 "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
                 "own_lm_head": self.own_lm_head}
@@ -144,7 +153,7 @@ class EagleMethod(TrainMethod):
     def feature_spec(self, config, dtype="float16"):
         return FeatureSpec(final=True, dtype=dtype)
 
-    def init_params(self, key, base_params, config):
+    def init_params(self, key, frozen, config):
         k1, k2 = jax.random.split(key)
         layers = init_model_params(self.draft_config(config), k1, jnp.float32)["layers"]
         del layers[0]["attn_norm"]
@@ -167,7 +176,8 @@ class EagleMethod(TrainMethod):
                                causal_mask(b, t), valid)
         return out
 
-    def loss(self, params, base_params, config, batch, key):
+    def loss(self, params, frozen, config, batch, key):
+        base_params = frozen["base"]
         tokens, feats, target, mask = losses.eagle_shift(batch["tokens"], batch["final"],
                                                          batch["mask"], batch["valid"])
         if self.noise_std > 0:
@@ -178,7 +188,7 @@ class EagleMethod(TrainMethod):
         return losses.eagle_loss(pred, target, lm_head_weight(base_params).astype(jnp.float32),
                                  mask, self.v_w, self.p_w)
 
-    def export(self, params, config):
+    def export(self, params, frozen, config):
         variables = {"fc": params["fc"],
                      "layers": {str(i): layer for i, layer in enumerate(params["layers"])}}
         meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
@@ -212,7 +222,197 @@ class EagleMethod(TrainMethod):
                           "lm_head": lm_head_weight(model.params)}
 
 
-METHODS: dict[str, type] = {"medusa": MedusaMethod, "eagle": EagleMethod}
+@dataclasses.dataclass(frozen=True)
+class Eagle3Method(TrainMethod):
+    """EAGLE-3: fc(three target layers) -> one decoder layer over [embedding; feature], its own
+    norm and reduced-vocabulary lm_head, trained with the training-time test (the draft unrolled
+    `steps` times on its own outputs, losses weighted decay^i).
+
+    The unroll runs the inference network (`eagle3_forward`) over one paged scratch cache: step
+    i writes its K/V at slots i*T + t with RoPE position t + i, and position t attends to step 0's
+    keys at positions <= t and to its own keys of steps 1..i, exactly what the draft cache holds
+    at test time after drafting i tokens from position t (SafeAILab's cache_hidden attention).
+    The draft vocabulary is the `draft_vocab_size` most frequent answer tokens of the training
+    data (its d2t map is a frozen constant); the draft lm_head starts from the target's rows.
+    """
+
+    steps: int = losses.EAGLE3_STEPS
+    decay: float = losses.EAGLE3_DECAY
+    draft_vocab_size: int = 8192
+    name: str = "eagle3"
+    kind: str = "eagle3"
+
+    @property
+    def num_outputs(self) -> int:
+        return self.steps
+
+    def feature_layers(self, config: ModelConfig) -> tuple[int, ...]:
+        from specjax.proposers.eagle3_net import eagle3_feature_layers
+
+        return eagle3_feature_layers(config.num_layers)
+
+    def feature_spec(self, config, dtype="float16"):
+        layers = tuple(sorted(set(self.feature_layers(config))))  # tiny targets repeat layers
+        return FeatureSpec(final=True, layers=layers, dtype=dtype)
+
+    def _vocab(self, config) -> int:
+        return min(self.draft_vocab_size, config.vocab_size)
+
+    def constants(self, store, config, init_heads=None):
+        from specjax.proposers.eagle3_net import d2t_from_counts, load_eagle3_heads
+
+        if init_heads is not None:
+            _, params, _ = load_eagle3_heads(init_heads)
+            d2t = np.asarray(params["d2t"], np.int32)
+        else:
+            counts = np.zeros(config.vocab_size, np.int64)
+            for i in range(len(store)):
+                s = store.sequence(i)
+                np.add.at(counts, np.asarray(s["tokens"])[np.asarray(s["mask"])], 1)
+            d2t = d2t_from_counts(counts, config.vocab_size, self._vocab(config))
+        kept = np.arange(len(d2t)) + d2t
+        return {"d2t": jnp.asarray(d2t), "kept": jnp.asarray(kept, jnp.int32),
+                "t2d": jnp.asarray(np.isin(np.arange(config.vocab_size), kept))}
+
+    def init_params(self, key, frozen, config):
+        from specjax.proposers.eagle3_net import init_eagle3_params
+
+        _, params = init_eagle3_params(key, config, self._vocab(config))
+        del params["d2t"]
+        head = lm_head_weight(frozen["base"]).astype(jnp.float32)
+        params["lm_head"] = head[frozen["kept"]]
+        return params
+
+    def unroll(self, params, frozen, config, batch):
+        """Draft log-probabilities [K, B, T, N] of the training-time test over a batch."""
+        from specjax.proposers.eagle3_net import draft_config, eagle3_forward, eagle3_fuse, \
+            eagle3_logprobs
+
+        tokens, valid = batch["tokens"], batch["valid"]
+        b, t = tokens.shape
+        k = self.steps
+        dcfg = draft_config(config)
+        embed = frozen["base"]["embed"].astype(jnp.float32)
+        feats = jnp.concatenate([batch[f"layer_{i}"] for i in self.feature_layers(config)], -1)
+        h = eagle3_fuse(params, feats)
+        cache = scratch_cache(dcfg, b, k * t, jnp.float32)
+        pos = jnp.arange(t, dtype=jnp.int32)
+        causal = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]
+        eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+        out = []
+        for i in range(k):
+            tree_mask = jnp.concatenate([causal] + [eye] * i, axis=-1)  # [B, T, (i+1) T]
+            slots = jnp.broadcast_to(i * t + pos, (b, t))
+            positions = jnp.broadcast_to(pos + i, (b, t))
+            x, cache = eagle3_forward(params, dcfg, embed, losses.shift_left(tokens, 1 + i), h,
+                                      positions, cache, tree_mask, valid, slots)
+            out.append(eagle3_logprobs(params, dcfg, x))
+            h = x
+        return jnp.stack(out)
+
+    def loss(self, params, frozen, config, batch, key):
+        head = lm_head_weight(frozen["base"]).astype(jnp.float32)
+        final = batch["final"]
+        full = jnp.einsum("btd,vd->btv", final, head, preferred_element_type=jnp.float32)
+        in_vocab = frozen["t2d"][jnp.argmax(full, -1)]
+        target = jnp.take(full, frozen["kept"], axis=-1)
+        logp = self.unroll(params, frozen, config, batch)
+        return losses.eagle3_loss(logp, target, in_vocab, batch["mask"] & batch["valid"],
+                                  batch["valid"], self.decay)
+
+    def export(self, params, frozen, config):
+        from specjax.proposers.eagle3_net import draft_config
+
+        variables = {k: v for k, v in params.items() if k != "layers"}
+        variables["layers"] = {str(i): layer for i, layer in enumerate(params["layers"])}
+        variables["d2t"] = np.asarray(frozen["d2t"], np.int32)
+        meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                "feature_layers": list(self.feature_layers(config)),
+                "draft_vocab_size": int(params["lm_head"].shape[0]),
+                "config": draft_config(config).to_hf()}
+        return variables, meta
+
+    def params_from_heads(self, path, config):
+        from specjax.heads import check_compatible
+        from specjax.proposers.eagle3_net import load_eagle3_heads
+
+        _, params, meta = load_eagle3_heads(path)
+        check_compatible(meta, config, path)
+        params = {k: v for k, v in params.items() if k != "d2t"}
+        return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+
+    def proposer(self, heads_dir, model, **options):
+        from specjax.methods import make_proposer
+
+        return make_proposer("eagle3", model, heads=str(heads_dir))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReDrafterMethod(TrainMethod):
+    """ReDrafter: an RNN over the next tokens' embeddings plus ResBlocks and a vocabulary head on
+    [h_t; s_i]; step i predicts token t + i + 2 (Apple's recurrent drafter training)."""
+
+    steps: int = 5
+    num_layers: int = 1  # ResBlocks of the drafter head (num_draft_layers)
+    rnn: bool = True
+    name: str = "redrafter"
+    kind: str = "redrafter"
+
+    @property
+    def num_outputs(self) -> int:
+        return self.steps
+
+    def feature_spec(self, config, dtype="float16"):
+        return FeatureSpec(final=True, dtype=dtype)
+
+    def init_params(self, key, frozen, config):
+        from specjax.proposers.redrafter import init_params
+
+        return init_params(key, config.hidden_size, config.vocab_size,
+                           num_draft_layers=self.num_layers, rnn=self.rnn)
+
+    def logits(self, params, frozen, batch):
+        """Drafter logits [B, T, K, V]: step i reads [h_t; s_{i+1}], s from e(t+1) .. e(t+i+1)."""
+        from specjax.proposers.redrafter import drafter_logits, rnn_step
+
+        emb = frozen["base"]["embed"].astype(jnp.float32)[batch["tokens"]]
+        h = batch["final"]
+        state = jnp.zeros_like(h)
+        out = []
+        for i in range(self.steps):
+            state = rnn_step(params, state, losses.shift_left(emb, 1 + i), self.rnn)
+            out.append(drafter_logits(params, h, state))
+        return jnp.stack(out, axis=2)
+
+    def loss(self, params, frozen, config, batch, key):
+        return losses.redrafter_loss(self.logits(params, frozen, batch), batch["tokens"],
+                                     batch["mask"] & batch["valid"])
+
+    def export(self, params, frozen, config):
+        meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                "exit_dim": 2 * config.hidden_size, "num_draft_layers": self.num_layers,
+                "rnn": self.rnn}
+        return params, meta
+
+    def params_from_heads(self, path, config):
+        from specjax.heads import check_compatible
+        from specjax.proposers.redrafter import load_redrafter
+
+        meta, params = load_redrafter(path)
+        check_compatible(meta, config, path)
+        if (meta["num_draft_layers"], meta["rnn"], meta["exit_dim"]) != (
+                self.num_layers, self.rnn, 2 * config.hidden_size):
+            raise ValueError(f"{path} holds a ReDrafter of another shape than the run asks for")
+        return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+
+    def proposer(self, heads_dir, model, **options):
+        from specjax.proposers.redrafter import make_redrafter
+
+        return make_redrafter(model, str(heads_dir))
+
+
+METHODS: dict[str, type] = {"medusa": MedusaMethod, "eagle": EagleMethod, "eagle3": Eagle3Method,
+                            "redrafter": ReDrafterMethod}
 
 
 def make_method(name: str, **options) -> TrainMethod:

@@ -1,7 +1,7 @@
 """Training: a jitted pure train step, resumable orbax checkpoints, and the whole pipeline.
 
-`train_step(method, config, opt, state, base_params, batch, key)` is pure: the base model's
-parameters are an input that is never differentiated. The data order is a function of
+`train_step(method, config, opt, state, frozen, batch, key)` is pure: the base model's
+parameters (in `frozen`) are an input that is never differentiated. The data order is a function of
 (seed, step) alone (a seeded permutation per epoch) and so is the noise key, so a run killed
 after a checkpoint resumes with the same batches and reaches the same state as an
 uninterrupted run. `run(TrainConfig)` chains self-distillation, features, training, export and
@@ -70,16 +70,22 @@ class TrainState:
 
 
 def init_state(method: TrainMethod, opt: OptimConfig, params) -> TrainState:
+    # Own copies: a leaf shared by two parameters (e.g. one `ones` for several norms) could not
+    # be donated twice to the train step.
+    params = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), params)
     return TrainState(jnp.zeros((), jnp.int32), params, make_optimizer(opt).init(params))
 
 
 @functools.partial(jax.jit, static_argnames=("method", "config", "opt"), donate_argnames=("state",))
 def train_step(method: TrainMethod, config: ModelConfig, opt: OptimConfig, state: TrainState,
-               base_params, batch: dict, key):
-    """One optimizer step on `batch`; returns (state, metrics incl. loss and grad norm)."""
+               frozen, batch: dict, key):
+    """One optimizer step on `batch`; returns (state, metrics incl. loss and grad norm).
+
+    frozen: {"base": base model parameters, **method constants}, never differentiated.
+    """
 
     def loss_fn(p):
-        return method.loss(p, base_params, config, batch, key)
+        return method.loss(p, frozen, config, batch, key)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = make_optimizer(opt).update(grads, state.opt_state, state.params)
@@ -163,11 +169,12 @@ def restore_checkpoint(mngr, like: TrainState) -> TrainState | None:
 def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureStore, out_dir,
         opt: OptimConfig, *, batch_size: int, max_len: int, seed: int, save_every: int,
         init_params=None, stop_after: int | None = None, progress: bool = True,
-        devices=None) -> TrainState:
+        devices=None, constants: dict | None = None) -> TrainState:
     """Train `method` on `store` for opt.steps steps, checkpointing under out_dir; resumable.
 
     stop_after: stop (with a checkpoint) once this many steps are done, as a killed run would;
     a later call continues to opt.steps. devices: the batch is split over these (default all).
+    constants: the method's frozen data-derived arrays (default: method.constants(store)).
     """
     from tqdm import tqdm
 
@@ -176,7 +183,10 @@ def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureSto
         raise TrainError(f"features of hidden size {store.hidden_size} do not fit the base "
                          f"model's {config.hidden_size}")
     sharder = Sharder(batch_size, devices)
-    params = method.init_params(jax.random.PRNGKey(seed), base_params, config) \
+    if constants is None:
+        constants = method.constants(store, config)
+    frozen = {"base": base_params, **constants}
+    params = method.init_params(jax.random.PRNGKey(seed), frozen, config) \
         if init_params is None else init_params
     state = init_state(method, opt, params)
     mngr = _checkpoint_manager(out_dir / CKPT_DIR)
@@ -186,20 +196,20 @@ def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureSto
     start = int(state.step)
     _trim_metrics(out_dir / METRICS_FILE, start)
     state = sharder.replicate(state)
-    base = sharder.replicate(base_params)
+    frozen = sharder.replicate(frozen)
     end = opt.steps if stop_after is None else min(opt.steps, stop_after)
     bar = tqdm(total=opt.steps, initial=start, disable=not progress, desc=f"train {method.name}",
                unit="step", dynamic_ncols=True)
     with open(out_dir / METRICS_FILE, "a") as log:
         for step in range(start, end):
             batch = store.batch(batch_ids(step, batch_size, len(store), seed), max_len)
-            state, metrics = train_step(method, config, opt, state, base, sharder.batch(batch),
+            state, metrics = train_step(method, config, opt, state, frozen, sharder.batch(batch),
                                         step_key(seed, step))
             m = jax.device_get(metrics)
             row = {"step": step + 1, "loss": float(m["loss"]),
                    "grad_norm": float(m["grad_norm"]),
                    "acc": [float(a) for a in np.atleast_1d(m["acc_k"])]}
-            for k in ("vloss", "ploss"):
+            for k in ("vloss", "ploss", "kl"):
                 if k in m:
                     row[k] = float(m[k])
             if "loss_k" in m:
@@ -427,17 +437,19 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     if cfg.until == "features":
         return result
     store = FeatureStore(root)
+    constants = method.constants(store, config, cfg.init_heads)
     t0 = time.perf_counter()
     state = fit(method, config, model.params, store, cfg.out, cfg.optim(),
                 batch_size=cfg.batch_size, max_len=cfg.max_len, seed=cfg.seed,
                 save_every=cfg.save_every, init_params=init_params, stop_after=stop_after,
-                progress=progress)
+                progress=progress, constants=constants)
     result["train_seconds"] = time.perf_counter() - t0
     result["state"] = state
     result["plot"] = str(plot_metrics(cfg.out, f"{cfg.method} on {Path(cfg.base).name}"))
     if int(state.step) < cfg.steps:  # stopped early: no heads yet
         return result
-    variables, meta = method.export(jax.device_get(state.params), config)
+    variables, meta = method.export(jax.device_get(state.params), jax.device_get(constants),
+                                    config)
     meta.update({"base_model": cfg.base, "trained_steps": int(state.step),
                  "train_prompts": len(rows), "prompts_file": Path(cfg.prompts).name})
     heads = save_heads(Path(cfg.out) / HEADS_DIR, method.kind, variables, meta)
