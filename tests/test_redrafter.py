@@ -147,6 +147,29 @@ def test_greedy_equals_vanilla(tiny):
         assert all(s <= 16 for s in spec.steps)
 
 
+def test_reduced_draft_vocabulary(tiny, tmp_path):
+    """Heads over a reduced draft vocabulary (draft_ids): beams hold only those target ids, the
+    checkpoint round-trips, and output equals vanilla."""
+    model, _, eng = tiny
+    cfg = model.config
+    shapes = rd.ReDrafterProposer(cfg.hidden_size, cfg.vocab_size, rnn=True)
+    params = shapes.init_params(jax.random.PRNGKey(3), scale=3.0)
+    ids = jax.random.permutation(jax.random.PRNGKey(4), cfg.vocab_size)[:40].astype(jnp.int32)
+    params["lm_head"] = params["lm_head"][ids]
+    params["draft_ids"] = ids
+    heads = rd.save_redrafter(tmp_path / "rd40", params,
+                              {**rd.head_meta(shapes), "draft_vocab_size": 40})
+    proposer, pparams = rd.make_redrafter(model, heads, num_beams=3, draft_len_per_beam=3)
+    assert pparams["drafter"]["draft_ids"].dtype == jnp.int32
+    h = jax.random.normal(jax.random.PRNGKey(5), (2, cfg.hidden_size))
+    beams, _ = rd.beam_search(pparams["drafter"], pparams["embed"], h, jnp.asarray([3, 4]),
+                              num_beams=3, draft_len=3, rnn=True)
+    assert set(np.asarray(beams).ravel().tolist()) <= set(np.asarray(ids).tolist())
+    vanilla = eng.generate(PROMPTS, 12, eos_token_ids=())
+    spec = eng.generate(PROMPTS, 12, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    assert spec.token_ids == vanilla.token_ids
+
+
 def test_sampled_beams_decode_losslessly(tiny):
     """greedy_search=False: beams are sampled at the request's temperature. With top_k=1 the
     target's distribution is one-hot, so the output must equal greedy decoding; with real

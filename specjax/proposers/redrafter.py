@@ -26,6 +26,9 @@ the top-50 warp; specjax follows Apple's reference, the code that trains and sav
 checkpoints (NVIDIA ModelOpt's ReDrafter trainer uses the same SiLU recurrence).
 With `greedy_search=False` and a sampling request, beams are extended by sampling without
 replacement (Gumbel top-k) from the temperature-scaled cumulative log-probabilities.
+Heads trained by specjax may project onto a reduced draft vocabulary (`draft_ids`: the target ids
+of the most frequent training tokens, FR-Spec style): the vocabulary projection, the drafter's
+largest cost and size, shrinks by V / draft_vocab_size; the target verifies as before.
 """
 
 from __future__ import annotations
@@ -138,6 +141,8 @@ def beam_search(params, embed, hidden, init_token, *, num_beams: int, draft_len:
             rank = total + noise
         _, idx = jax.lax.top_k(rank, w)
         src, tok = idx // v, (idx % v).astype(jnp.int32)
+        if "draft_ids" in params:  # a reduced draft vocabulary: back to target ids
+            tok = params["draft_ids"][tok]
         beams = beams[rows, src].at[:, :, i].set(tok)
         return (beams, state[rows, src], jnp.take_along_axis(total, idx, axis=1), tok), None
 
@@ -277,7 +282,10 @@ def load_redrafter(path) -> tuple[dict, dict]:
     d, v = int(meta["hidden_size"]), int(meta["vocab_size"])
     e = int(meta.get("exit_dim") or 2 * d)
     n, rnn = int(meta["num_draft_layers"]), bool(meta.get("rnn", False))
-    want = {("lm_head",): (v, e)}
+    vd = int(meta.get("draft_vocab_size") or v)
+    want = {("lm_head",): (vd, e)}
+    if vd != v:  # a reduced draft vocabulary: its target ids, most frequent first
+        want[("draft_ids",)] = (vd,)
     want.update({("resblocks", str(i), k): s for i in range(n)
                  for k, s in (("kernel", (e, e)), ("bias", (e,)))})
     if e != 2 * d:
@@ -294,8 +302,13 @@ def load_redrafter(path) -> tuple[dict, dict]:
         if tuple(node.shape) != shape:
             raise CheckpointError(f"ReDrafter tensor '{'/'.join(keys)}' in {path} has shape "
                                   f"{tuple(node.shape)}, expected {shape}")
+    if "draft_ids" in params:
+        ids = params["draft_ids"]
+        if not (jnp.issubdtype(ids.dtype, jnp.integer) and bool(jnp.all((ids >= 0) & (ids < v)))):
+            raise CheckpointError(f"ReDrafter draft_ids in {path} must be target token ids < {v}")
+        params["draft_ids"] = ids.astype(jnp.int32)
     meta = {**meta, "hidden_size": d, "vocab_size": v, "exit_dim": e, "num_draft_layers": n,
-            "rnn": rnn}
+            "rnn": rnn, "draft_vocab_size": vd}
     return meta, params
 
 
@@ -315,5 +328,6 @@ def make_redrafter(target, heads, *, num_beams: int = 5, draft_len_per_beam: int
                                  num_beams=num_beams, draft_len_per_beam=draft_len_per_beam,
                                  greedy_search=greedy_search, warp_top_k=warp_top_k)
     dtype = target.params["embed"].dtype
-    drafter = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), drafter)
+    drafter = jax.tree_util.tree_map(  # integer id maps keep their type
+        lambda a: jnp.asarray(a, dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, drafter)
     return proposer, {"drafter": drafter, "embed": target.params["embed"]}
