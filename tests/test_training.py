@@ -18,7 +18,7 @@ import pytest
 from training.data import DataError, read_prompt_file
 from training.losses import (eagle3_loss, eagle_loss, medusa_loss, redrafter_loss,
                              uniform_feature_noise)
-from training.train import TrainConfig, TrainError, batch_ids, run
+from training.train import TrainConfig, batch_ids, run
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = ("math", "code", "chat")

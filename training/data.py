@@ -201,7 +201,6 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
         bar = tqdm(total=len(indices), initial=len(indices) - len(todo), disable=not progress,
                    desc="distill", unit="prompt", dynamic_ncols=True)
-        new_tokens = 0
         with open(out_path, "a", encoding="utf-8") as f:
             for s in range(0, len(todo), bs):
                 batch = todo[s:s + bs]
@@ -215,7 +214,6 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
                     done[i] = row
                 f.flush()
                 os.fsync(f.fileno())
-                new_tokens += sum(len(a) for a in out.token_ids)
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{sum(len(a) for a in out.token_ids) / out.seconds:.0f}")
         bar.close()
