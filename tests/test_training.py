@@ -141,6 +141,44 @@ def test_eagle_loss_matches_torch():
                                (agree * M[..., 0]).sum().item() / (M.sum().item() + 1e-5), rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["medusa", "redrafter"])
+def test_sampled_loss_positions(name):
+    """Scoring a random subset of positions: with every position drawn it is the full loss;
+    with fewer, only drawn positions count and each draw is seeded by the step key."""
+    from training.methods import make_method
+
+    rng = np.random.default_rng(6)
+    b, t, d, v = 2, 16, 8, 30
+    base = {"embed": jnp.asarray(rng.normal(size=(v, d)), jnp.float32)}
+    cfg = type("C", (), {"hidden_size": d, "vocab_size": v})
+    mask = np.zeros((b, t), bool)
+    mask[0, 5:] = True
+    mask[1, 9:14] = True
+    batch = {"tokens": jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32),
+             "final": jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32),
+             "mask": jnp.asarray(mask), "valid": jnp.ones((b, t), bool)}
+    opts = {"num_heads": 3} if name == "medusa" else {"steps": 3}
+    full = make_method(name, **opts)
+    params = full.init_params(jax.random.PRNGKey(0), {"base": base}, cfg)
+    params = jax.tree_util.tree_map(lambda a: a + 0.1, params)
+    key = jax.random.PRNGKey(1)
+    want, wm = full.loss(params, {"base": base}, cfg, batch, key)
+    got, gm = make_method(name, loss_positions=t, **opts).loss(params, {"base": base}, cfg,
+                                                               batch, key)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gm["acc_k"]), np.asarray(wm["acc_k"]), rtol=1e-6)
+    few = make_method(name, loss_positions=3, **opts)
+    a = few.loss(params, {"base": base}, cfg, batch, key)[0]
+    assert float(a) == float(few.loss(params, {"base": base}, cfg, batch, key)[0])
+    assert float(a) != float(few.loss(params, {"base": base}, cfg, batch,
+                                      jax.random.PRNGKey(2))[0])
+    from training.losses import labelled, sample_positions
+    pos, ok = sample_positions(key, labelled(jnp.asarray(mask), 3), 3)
+    elig = np.asarray(labelled(jnp.asarray(mask), 3))
+    assert np.all(np.asarray(ok)) and all(elig[r, np.asarray(pos)[r]].all() for r in range(b))
+    assert len(set(np.asarray(pos)[0])) == 3
+
+
 def test_redrafter_loss_matches_torch():
     """Apple's drafter_loss: step i's logits[:, :-(i+2)] against labels[:, i+2:], summed."""
     torch = pytest.importorskip("torch")

@@ -58,6 +58,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--noise-std", type=float, default=None, help="EAGLE feature noise (0.2)")
     m.add_argument("--draft-steps", type=int, default=None,
                    help="EAGLE-3 training-time-test steps (7) / ReDrafter drafted tokens (5)")
+    m.add_argument("--loss-positions", type=int, default=None,
+                   help="Medusa/ReDrafter: score N random answer positions per sequence and step "
+                        "(cheaper steps on CPU; default all)")
     m.add_argument("--draft-vocab-size", type=int, default=None,
                    help="EAGLE-3 draft vocabulary: most frequent answer tokens (8192)")
     e = p.add_argument_group("evaluation")
@@ -84,7 +87,8 @@ def config_from_args(args):
         raise TrainError("--max-prompts and --eval-prompts must be >= 0")
     options = {"num_heads": args.num_heads, "num_layers": args.num_layers,
                "noise_std": args.noise_std, "own_lm_head": True if args.own_lm_head else None,
-               "steps": args.draft_steps, "draft_vocab_size": args.draft_vocab_size}
+               "steps": args.draft_steps, "draft_vocab_size": args.draft_vocab_size,
+               "loss_positions": args.loss_positions}
     return TrainConfig(
         method=args.method, base=args.base, prompts=args.prompts, out=args.out, data=args.data,
         max_prompts=args.max_prompts or None, max_prompt_tokens=args.max_prompt_tokens,

@@ -39,31 +39,66 @@ def _masked_mean(x, mask):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY):
-    """Medusa-1 loss of head logits [B, T, K, V] for tokens [B, T] with answer mask [B, T].
+def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY, positions=None,
+                positions_ok=None):
+    """Medusa-1 loss of head logits [B, P, K, V] for tokens [B, T] with answer mask [B, T].
 
     Head k at position t is scored on tokens[t + k + 2] where that token is an answer token.
+    positions int[B, P]: the positions the logits belong to (default all: P = T), of which
+    only those with positions_ok count.
     Returns (sum_k decay^(k+1) * CE_k, {"loss_k": [K], "acc_k": [K] top-1 accuracy}).
     """
     k = logits.shape[2]
-    return shifted_ce_loss(logits, tokens, mask, decay ** jnp.arange(1, k + 1, dtype=jnp.float32))
+    return shifted_ce_loss(logits, tokens, mask, decay ** jnp.arange(1, k + 1, dtype=jnp.float32),
+                           positions, positions_ok)
 
 
-def redrafter_loss(logits, tokens, mask):
-    """ReDrafter loss of step logits [B, T, K, V]: step k at t is scored on tokens[t + k + 2]
+def redrafter_loss(logits, tokens, mask, positions=None, positions_ok=None):
+    """ReDrafter loss of step logits [B, P, K, V]: step k at t is scored on tokens[t + k + 2]
     (answer tokens only); the steps' cross-entropies are summed (Apple's drafter_loss)."""
-    return shifted_ce_loss(logits, tokens, mask, jnp.ones((logits.shape[2],), jnp.float32))
+    return shifted_ce_loss(logits, tokens, mask, jnp.ones((logits.shape[2],), jnp.float32),
+                           positions, positions_ok)
 
 
-def shifted_ce_loss(logits, tokens, mask, weights):
-    """sum_k weights[k] * CE(logits[:, t, k], tokens[:, t + k + 2]) over answer-token labels."""
-    b, t, k, v = logits.shape
+def sample_positions(key, eligible, n: int):
+    """n positions per row drawn uniformly without replacement among `eligible` [B, T] (Gumbel
+    top-k). Returns (int32[B, n], ok bool[B, n]: False where a row had fewer than n).
+
+    Medusa and ReDrafter score every position independently, so a step may score a random
+    subset of each sequence's positions: the vocabulary projections, their cost on CPU, shrink
+    by T / n while the batch still spans whole sequences.
+    """
+    score = jnp.where(eligible, jax.random.gumbel(key, eligible.shape), -jnp.inf)
+    vals, idx = jax.lax.top_k(score, n)
+    return idx.astype(jnp.int32), jnp.isfinite(vals)
+
+
+def labelled(mask, k: int):
+    """bool[B, T]: positions t with an answer token among t + 2 .. t + k + 1 (a label for some
+    of k heads / steps)."""
+    out = jnp.zeros_like(mask)
+    for j in range(k):
+        out = out | shift_left(mask, j + 2)
+    return out
+
+
+def shifted_ce_loss(logits, tokens, mask, weights, positions=None, positions_ok=None):
+    """sum_k weights[k] * CE(logits[:, p, k], tokens[:, positions[p] + k + 2]) averaged over the
+    labels that are answer tokens (positions default to all, P = T; positions_ok masks some)."""
+    b, p, k, v = logits.shape
+    t = tokens.shape[1]
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if positions_ok is None:
+        positions_ok = jnp.ones(positions.shape, bool)
     losses, accs = [], []
     for j in range(k):
-        s = j + 2
-        lg = logits[:, :t - s, j].astype(jnp.float32)  # positions 0 .. t-s-1
-        lab = tokens[:, s:]
-        m = mask[:, s:]
+        at = positions + j + 2
+        inside = at < t
+        at = jnp.minimum(at, t - 1)
+        lab = jnp.take_along_axis(tokens, at, axis=1)
+        m = inside & positions_ok & jnp.take_along_axis(mask, at, axis=1)
+        lg = logits[:, :, j].astype(jnp.float32)
         logp = jax.nn.log_softmax(lg, axis=-1)
         nll = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
         losses.append(_masked_mean(nll, m))

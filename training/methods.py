@@ -67,6 +67,7 @@ class MedusaMethod(TrainMethod):
     num_layers: int = 1
     own_lm_head: bool = False
     decay: float = losses.MEDUSA_DECAY
+    loss_positions: int | None = None  # score this many random positions per sequence
     name: str = "medusa"
     kind: str = "medusa"
 
@@ -102,9 +103,14 @@ class MedusaMethod(TrainMethod):
         return out.reshape(b, t, self.num_heads, -1)
 
     def loss(self, params, frozen, config, batch, key):
-        logits = self.logits(params, frozen["base"], config, batch["final"])
-        return losses.medusa_loss(logits, batch["tokens"], batch["mask"] & batch["valid"],
-                                  self.decay)
+        mask = batch["mask"] & batch["valid"]
+        feats, pos, ok = batch["final"], None, None
+        if self.loss_positions:  # among positions where some head has a label
+            pos, ok = losses.sample_positions(key, losses.labelled(mask, self.num_heads),
+                                              self.loss_positions)
+            feats = jnp.take_along_axis(feats, pos[..., None], axis=1)
+        logits = self.logits(params, frozen["base"], config, feats)
+        return losses.medusa_loss(logits, batch["tokens"], mask, self.decay, pos, ok)
 
     def export(self, params, frozen, config):
         meta = {"num_heads": self.num_heads, "num_layers": self.num_layers,
@@ -355,6 +361,7 @@ class ReDrafterMethod(TrainMethod):
     steps: int = 5
     num_layers: int = 1  # ResBlocks of the drafter head (num_draft_layers)
     rnn: bool = True
+    loss_positions: int | None = None  # score this many random positions per sequence
     name: str = "redrafter"
     kind: str = "redrafter"
 
@@ -371,22 +378,35 @@ class ReDrafterMethod(TrainMethod):
         return init_params(key, config.hidden_size, config.vocab_size,
                            num_draft_layers=self.num_layers, rnn=self.rnn)
 
-    def logits(self, params, frozen, batch):
-        """Drafter logits [B, T, K, V]: step i reads [h_t; s_{i+1}], s from e(t+1) .. e(t+i+1)."""
+    def logits(self, params, frozen, batch, positions=None):
+        """Drafter logits [B, P, K, V] at positions [B, P] (default all): step i reads
+        [h_t; s_{i+1}], the state built from e(x_{t+1}) .. e(x_{t+i+1}) (zeros past the end)."""
         from specjax.proposers.redrafter import drafter_logits, rnn_step
 
-        emb = frozen["base"]["embed"].astype(jnp.float32)[batch["tokens"]]
-        h = batch["final"]
+        tokens, h = batch["tokens"], batch["final"]
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        h = jnp.take_along_axis(h, positions[..., None], axis=1)
+        embed = frozen["base"]["embed"].astype(jnp.float32)
         state = jnp.zeros_like(h)
         out = []
         for i in range(self.steps):
-            state = rnn_step(params, state, losses.shift_left(emb, 1 + i), self.rnn)
+            at = positions + 1 + i
+            tok = jnp.take_along_axis(tokens, jnp.minimum(at, t - 1), axis=1)
+            emb = jnp.where((at < t)[..., None], embed[tok], 0.0)
+            state = rnn_step(params, state, emb, self.rnn)
             out.append(drafter_logits(params, h, state))
         return jnp.stack(out, axis=2)
 
     def loss(self, params, frozen, config, batch, key):
-        return losses.redrafter_loss(self.logits(params, frozen, batch), batch["tokens"],
-                                     batch["mask"] & batch["valid"])
+        mask = batch["mask"] & batch["valid"]
+        pos = ok = None
+        if self.loss_positions:  # among positions where some step has a label
+            pos, ok = losses.sample_positions(key, losses.labelled(mask, self.steps),
+                                              self.loss_positions)
+        return losses.redrafter_loss(self.logits(params, frozen, batch, pos), batch["tokens"],
+                                     mask, pos, ok)
 
     def export(self, params, frozen, config):
         meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
