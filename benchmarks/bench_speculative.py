@@ -1,4 +1,4 @@
-"""Prompt-Lookup and Draft-Target (self-draft) decoding vs vanilla, ours and transformers', side by side.
+"""Prompt-Lookup, Lookahead and Draft-Target (self-draft) decoding vs vanilla, ours and transformers', side by side.
 
 Up to --max-new-tokens per prompt, stopping at EOS (as users decode). For each category of the
 prompt file: mean accepted tokens per target pass, tokens/s and speedup
@@ -7,6 +7,8 @@ Peers, on the same weights and prompts: transformers `generate` (vanilla), with
 `prompt_lookup_num_tokens`, and assisted generation with the same self-draft as a PyTorch model.
 
     python benchmarks/bench_speculative.py --categories summarization code --limit 5
+    python benchmarks/bench_speculative.py --categories summarization code chat math --pld 10:2 \
+        --lookahead 7,5,7 --no-draft --no-hf --out benchmarks/results/lookahead.json
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def main():
     ap.add_argument("--pld", nargs="+", default=["10:1", "10:2"],
                     help="PLD settings to run, as prompt_lookup_num_tokens:min_matching_ngram_size"
                          " (HF runs the first one's token count)")
+    ap.add_argument("--lookahead", nargs="*", default=[],
+                    help="Lookahead settings to run, as W,N,G (e.g. 7,5,7)")
+    ap.add_argument("--no-draft", action="store_true", help="skip the self-draft method")
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--max-draft-len", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
@@ -67,8 +72,13 @@ def main():
     for k, lo in pld:
         ours[f"pld k={k} min-ngram={lo}"] = make_proposer(
             "pld", model, prompt_lookup_num_tokens=k, min_matching_ngram_size=lo)
-    ours[f"draft-{args.draft_layers}L-k{args.max_draft_len}"] = make_proposer(
-        "draft", model, draft_layers=args.draft_layers, max_draft_len=args.max_draft_len)
+    for spec in args.lookahead:
+        wng = tuple(int(x) for x in spec.split(","))
+        ours["lookahead W,N,G={},{},{}".format(*wng)] = make_proposer("lookahead", model,
+                                                                      lookahead=wng)
+    if not args.no_draft:
+        ours[f"draft-{args.draft_layers}L-k{args.max_draft_len}"] = make_proposer(
+            "draft", model, draft_layers=args.draft_layers, max_draft_len=args.max_draft_len)
     hf = hf_draft = None
     if not args.no_hf:
         hf = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32).eval()

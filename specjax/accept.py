@@ -45,6 +45,11 @@ def _node_draws(logits, keys, sampling: SamplingConfig):
     return jax.vmap(jax.vmap(jax.random.categorical))(node_keys, logp).astype(jnp.int32)
 
 
+def _acceptable(tree: DraftTree):
+    """bool[B, T]: valid nodes that acceptance may follow (see DraftTree.acceptable)."""
+    return tree.valid if tree.acceptable is None else tree.valid & tree.acceptable
+
+
 def _path_to(tree: DraftTree, best):
     """int32[B, T]: nodes on the root path to `best`, indexed by depth (zeros past it)."""
     b, t = tree.tokens.shape
@@ -74,10 +79,11 @@ def accept_match(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> Acc
     y = _node_draws(logits, keys, sampling)  # [B, T]
     parent = jnp.clip(tree.parent, 0, t - 1)
     parent_y = jnp.take_along_axis(y, parent, axis=1)
-    match = tree.valid & (tree.parent >= 0) & (tree.tokens == parent_y)
-    # Among siblings holding the same token only the first may be followed.
+    ok = _acceptable(tree)
+    match = ok & (tree.parent >= 0) & (tree.tokens == parent_y)
+    # Among (acceptable) siblings holding the same token only the first may be followed.
     same = ((tree.parent[:, :, None] == tree.parent[:, None, :])
-            & (tree.tokens[:, :, None] == tree.tokens[:, None, :]) & tree.valid[:, None, :])
+            & (tree.tokens[:, :, None] == tree.tokens[:, None, :]) & ok[:, None, :])
     earlier = jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
     match = match & ~jnp.any(same & earlier, axis=2)
     return _follow(tree, match, y)
@@ -87,6 +93,8 @@ def accept_residual(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> 
     """The `residual` rule over chains whose node i was drawn from q = draft_logprobs[:, i]."""
     if tree.draft_logprobs is None:
         raise ValueError("residual acceptance needs the draft's probabilities (draft_logprobs)")
+    if tree.acceptable is not None:
+        raise ValueError("residual acceptance walks chains: it takes no `acceptable` mask")
     b, t = tree.tokens.shape
     split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
     k_u, k_res = split[:, 0], split[:, 1]
@@ -123,7 +131,7 @@ def accept_typical(tree: DraftTree, logits, keys, sampling: SamplingConfig,
     parent = jnp.clip(tree.parent, 0, t - 1)
     p_parent = p[jnp.arange(b)[:, None], parent]  # [B, T, V]: p at each node's parent
     p_tok = jnp.take_along_axis(p_parent, tree.tokens[:, :, None], axis=2)[..., 0]
-    ok = tree.valid & (tree.parent >= 0) & (p_tok > jnp.take_along_axis(bar, parent, axis=1))
+    ok = _acceptable(tree) & (tree.parent >= 0) & (p_tok > jnp.take_along_axis(bar, parent, axis=1))
     return _follow(tree, ok, _node_draws(logits, keys, sampling))
 
 

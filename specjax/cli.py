@@ -81,6 +81,10 @@ def _add_generate(sub):
                    help="sample the beams at the request's temperature instead of beam search")
     r.add_argument("--redrafter-warp-top-k", type=int, default=50,
                    help="beam search keeps the drafter's K best tokens per step (0: all)")
+    la = p.add_argument_group("lookahead (Jacobi window + n-gram pool)")
+    la.add_argument("--lookahead", default="7,5,7", metavar="W,N,G",
+                    help="max_window_size, max_ngram_size, max_verification_set_size "
+                         "(TensorRT-LLM's names; default 7,5,7)")
     k.add_argument("--min-matching-ngram-size", type=int, default=1,
                    help="shortest n-gram to match (2 suits CPUs, where verifying costs more)")
 
@@ -150,10 +154,26 @@ def _validate_generate(args):
         raise UsageError(f"--max-draft-len must be >= 1, got {args.max_draft_len}")
     if args.prompt_lookup_num_tokens < 1:
         raise UsageError(f"--prompt-lookup-num-tokens must be >= 1, got {args.prompt_lookup_num_tokens}")
+    args.lookahead_wng = parse_lookahead(args.lookahead)
     if not 1 <= args.min_matching_ngram_size <= args.max_matching_ngram_size:
         raise UsageError("n-gram sizes must satisfy 1 <= --min-matching-ngram-size <= "
                          f"--max-matching-ngram-size, got {args.min_matching_ngram_size} and "
                          f"{args.max_matching_ngram_size}")
+
+
+def parse_lookahead(text: str) -> tuple[int, int, int]:
+    """(W, N, G) of `--lookahead W,N,G`, checked: W >= 1, N >= 2, G >= 1."""
+    try:
+        w, n, g = (int(x) for x in str(text).split(","))
+    except ValueError:
+        raise UsageError(f"--lookahead takes W,N,G (three integers, e.g. 7,5,7), got '{text}'") from None
+    if w < 1:
+        raise UsageError(f"--lookahead window size W must be >= 1, got {w}")
+    if n < 2:
+        raise UsageError(f"--lookahead n-gram size N must be >= 2, got {n}")
+    if g < 1:
+        raise UsageError(f"--lookahead verification set size G must be >= 1, got {g}")
+    return w, n, g
 
 
 def _parse_choices(text, flag: str = "--medusa-choices"):
@@ -193,7 +213,7 @@ def cmd_generate(args) -> int:
         redrafter_num_beams=args.redrafter_num_beams,
         redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
         redrafter_greedy_search=not args.redrafter_no_greedy_search,
-        redrafter_warp_top_k=args.redrafter_warp_top_k or None)
+        redrafter_warp_top_k=args.redrafter_warp_top_k or None, lookahead=args.lookahead_wng)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))

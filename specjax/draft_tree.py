@@ -27,6 +27,10 @@ class DraftTree:
     # log q(.) of the distribution node i was sampled from (at its parent), float32[B, T, V];
     # only for lossless sampling of chains drafted stochastically (use_logits=True).
     draft_logprobs: jax.Array | None = None
+    # bool[B, T]: nodes acceptance may follow; None means every valid node. A node marked False
+    # is still verified (attends, is attended by its descendants, gets logits) but is never
+    # accepted and so never committed: Lookahead's Jacobi window rides in the same forward.
+    acceptable: jax.Array | None = None
 
     @property
     def size(self) -> int:

@@ -10,7 +10,8 @@ from specjax.loading import Model, load_model
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
 
-METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3", "redrafter")
+METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3", "redrafter",
+           "lookahead")
 DEFAULT_DRAFT_LAYERS = 8
 
 
@@ -42,11 +43,13 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   eagle_top_k: int | None = None, eagle_draft_vocab: int | None = None,
                   redrafter_num_beams: int = 5,
                   redrafter_draft_len_per_beam: int = 5, redrafter_greedy_search: bool = True,
-                  redrafter_warp_top_k: int | None = 50):
+                  redrafter_warp_top_k: int | None = 50, lookahead=(7, 5, 7)):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
 
     draft: `draft_model` (a path or name of any model with the target's vocabulary), or else a
     self-draft of the target's first `draft_layers` layers (default 8) with its norm and head.
+    lookahead: TensorRT-LLM's (W, N, G) = (max_window_size, max_ngram_size,
+    max_verification_set_size).
     """
     if method == "vanilla":
         return None, None
@@ -78,6 +81,8 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
         return _eagle(target, method, heads, eagle_choices,
                       {"total_tokens": eagle_total_tokens, "depth": eagle_depth,
                        "top_k": eagle_top_k}, eagle_draft_vocab)
+    if method == "lookahead":
+        return _lookahead(target, lookahead), None
     if method == "redrafter":
         from specjax.proposers.redrafter import make_redrafter
 
@@ -94,6 +99,22 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                 raise
             raise MethodError(str(e)) from None
     raise MethodError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
+
+
+def _lookahead(target: Model, wng):
+    """LookaheadProposer for (W, N, G), refused when its window does not fit the context."""
+    from specjax.proposers.lookahead import LookaheadProposer
+
+    try:
+        w, n, g = (int(x) for x in wng)
+        proposer = LookaheadProposer(w, n, g)
+    except (TypeError, ValueError) as e:
+        raise MethodError(f"lookahead (W, N, G) {tuple(wng)}: {e}") from None
+    context = target.config.max_position_embeddings
+    if proposer.span >= context:
+        raise MethodError(f"lookahead window (W={w}, N={n}) reaches {proposer.span} positions "
+                          f"ahead, more than the model's context of {context} tokens allows")
+    return proposer
 
 
 def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_options: dict,

@@ -38,6 +38,9 @@ class SpecContext:
     # In init(): the target's hidden states [B, W, D] of prompt[:, :W] (prefix reuse is off for
     # proposers that set `needs_prompt_features`).
     prompt_hidden: jax.Array | None = None
+    # In update(): the target's logits [B, T, V] at every node of the verified tree (Lookahead
+    # reads its Jacobi window's next iterate from them; zeros past verify_pruned's width).
+    logits: jax.Array | None = None
 
 
 class Proposer(Protocol):
@@ -142,7 +145,7 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     best_hidden = jnp.take_along_axis(hidden, best[:, None, None], axis=1)[:, 0]
     features = jnp.where(active[:, None], best_hidden.astype(state.features.dtype), state.features)
     path_hidden = jnp.take_along_axis(hidden, result.path[:, :, None], axis=1)
-    new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden)
+    new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden, logits=logits)
     pstate = proposer.update(proposer_params, pstate, new_ctx, result, active)
     hist = state.accepted_hist.at[jnp.arange(b), result.n_accepted].add(active.astype(jnp.int32))
     return state.replace(tokens=tokens, lengths=lengths, done=done, steps=state.steps + active,

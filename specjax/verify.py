@@ -32,8 +32,9 @@ def verify_widths(tree_size: int) -> tuple[int, ...]:
 
 def _prefix(tree: DraftTree, w: int) -> DraftTree:
     logq = None if tree.draft_logprobs is None else tree.draft_logprobs[:, :w]
+    ok = None if tree.acceptable is None else tree.acceptable[:, :w]
     return DraftTree(tree.tokens[:, :w], tree.parent[:, :w], tree.depth[:, :w], tree.valid[:, :w],
-                     logq)
+                     logq, ok)
 
 
 def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
