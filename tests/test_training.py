@@ -390,7 +390,7 @@ def _generate(args, capsys):
     return [json.loads(l)["token_ids"] for l in capsys.readouterr().out.splitlines()]
 
 
-METHOD_OPTIONS = {"medusa": (), "eagle": (), "redrafter": (("steps", 3),),
+METHOD_OPTIONS = {"medusa": (), "eagle": (), "redrafter": (("draft_vocab_size", 200), ("steps", 3)),
                   "eagle3": (("draft_vocab_size", 256), ("steps", 3))}
 
 

@@ -62,7 +62,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="Medusa/ReDrafter: score N random answer positions per sequence and step "
                         "(cheaper steps on CPU; default all)")
     m.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="EAGLE-3 draft vocabulary: most frequent answer tokens (8192)")
+                   help="EAGLE-3 (default 8192) / ReDrafter (default: all) draft vocabulary: the "
+                        "most frequent answer tokens")
     e = p.add_argument_group("evaluation")
     e.add_argument("--eval-prompts", type=int, default=20,
                    help="held-out prompts of the same file (never trained on)")

@@ -356,12 +356,17 @@ class Eagle3Method(TrainMethod):
 @dataclasses.dataclass(frozen=True)
 class ReDrafterMethod(TrainMethod):
     """ReDrafter: an RNN over the next tokens' embeddings plus ResBlocks and a vocabulary head on
-    [h_t; s_i]; step i predicts token t + i + 2 (Apple's recurrent drafter training)."""
+    [h_t; s_i]; step i predicts token t + i + 2 (Apple's recurrent drafter training).
+
+    draft_vocab_size: project onto the most frequent answer tokens only (`draft_ids`, most
+    frequent first); labels outside that vocabulary are not scored.
+    """
 
     steps: int = 5
     num_layers: int = 1  # ResBlocks of the drafter head (num_draft_layers)
     rnn: bool = True
     loss_positions: int | None = None  # score this many random positions per sequence
+    draft_vocab_size: int | None = None
     name: str = "redrafter"
     kind: str = "redrafter"
 
@@ -372,11 +377,32 @@ class ReDrafterMethod(TrainMethod):
     def feature_spec(self, config, dtype="float16"):
         return FeatureSpec(final=True, dtype=dtype)
 
+    def _reduced(self, config) -> bool:
+        return self.draft_vocab_size is not None and self.draft_vocab_size < config.vocab_size
+
+    def constants(self, store, config, init_heads=None):
+        if not self._reduced(config):
+            return {}
+        if init_heads is not None:
+            from specjax.proposers.redrafter import load_redrafter
+
+            ids = np.asarray(load_redrafter(init_heads)[1]["draft_ids"], np.int32)
+        else:
+            counts = np.zeros(config.vocab_size, np.int64)
+            for i in range(len(store)):
+                s = store.sequence(i)
+                np.add.at(counts, np.asarray(s["tokens"])[np.asarray(s["mask"])], 1)
+            ids = np.argsort(-counts, kind="stable")[:self.draft_vocab_size].astype(np.int32)
+        t2d = np.full(config.vocab_size, -1, np.int32)
+        t2d[ids] = np.arange(len(ids), dtype=np.int32)
+        return {"draft_ids": jnp.asarray(ids), "t2d": jnp.asarray(t2d)}
+
     def init_params(self, key, frozen, config):
         from specjax.proposers.redrafter import init_params
 
-        return init_params(key, config.hidden_size, config.vocab_size,
-                           num_draft_layers=self.num_layers, rnn=self.rnn)
+        vocab = len(frozen["draft_ids"]) if "draft_ids" in frozen else config.vocab_size
+        return init_params(key, config.hidden_size, vocab, num_draft_layers=self.num_layers,
+                           rnn=self.rnn)
 
     def logits(self, params, frozen, batch, positions=None):
         """Drafter logits [B, P, K, V] at positions [B, P] (default all): step i reads
@@ -401,17 +427,25 @@ class ReDrafterMethod(TrainMethod):
 
     def loss(self, params, frozen, config, batch, key):
         mask = batch["mask"] & batch["valid"]
+        labels = batch["tokens"]
+        if "t2d" in frozen:  # draft-vocabulary labels; tokens outside it are not scored
+            labels = frozen["t2d"][labels]
+            mask = mask & (labels >= 0)
+            labels = jnp.maximum(labels, 0)
         pos = ok = None
         if self.loss_positions:  # among positions where some step has a label
             pos, ok = losses.sample_positions(key, losses.labelled(mask, self.steps),
                                               self.loss_positions)
-        return losses.redrafter_loss(self.logits(params, frozen, batch, pos), batch["tokens"],
-                                     mask, pos, ok)
+        return losses.redrafter_loss(self.logits(params, frozen, batch, pos), labels, mask, pos,
+                                     ok)
 
     def export(self, params, frozen, config):
         meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
                 "exit_dim": 2 * config.hidden_size, "num_draft_layers": self.num_layers,
                 "rnn": self.rnn}
+        if "draft_ids" in frozen:
+            params = {**params, "draft_ids": np.asarray(frozen["draft_ids"], np.int32)}
+            meta["draft_vocab_size"] = int(len(frozen["draft_ids"]))
         return params, meta
 
     def params_from_heads(self, path, config):
@@ -420,9 +454,11 @@ class ReDrafterMethod(TrainMethod):
 
         meta, params = load_redrafter(path)
         check_compatible(meta, config, path)
-        if (meta["num_draft_layers"], meta["rnn"], meta["exit_dim"]) != (
-                self.num_layers, self.rnn, 2 * config.hidden_size):
+        want_vocab = self.draft_vocab_size if self._reduced(config) else config.vocab_size
+        if (meta["num_draft_layers"], meta["rnn"], meta["exit_dim"], meta["draft_vocab_size"]) != (
+                self.num_layers, self.rnn, 2 * config.hidden_size, want_vocab):
             raise ValueError(f"{path} holds a ReDrafter of another shape than the run asks for")
+        params = {k: v for k, v in params.items() if k != "draft_ids"}
         return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
 
     def proposer(self, heads_dir, model, **options):
