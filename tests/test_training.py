@@ -322,6 +322,14 @@ def test_eagle_noise_is_uniform_and_scaled_by_length():
         assert abs(row.mean()) < 0.05 * half
 
 
+def test_distill_order_keeps_a_prefix_of_the_selection():
+    from training.data import length_sorted_windows
+
+    items = [(i, [0] * n) for i, n in enumerate([5, 1, 4, 2, 9, 3, 7, 8, 6, 1])]
+    out = length_sorted_windows(items, 4)
+    assert [i for i, _ in out] == [1, 3, 2, 0, 5, 6, 7, 4, 9, 8]
+
+
 def test_batch_order_is_a_seeded_permutation_per_epoch():
     n, bs = 10, 4
     ids = np.concatenate([batch_ids(s, bs, n, seed=3) for s in range(5)])  # 2 epochs
@@ -354,6 +362,10 @@ def test_distill_and_features_resume(setup, tmp_path):
     assert sorted(got, key=lambda r: r["index"]) == sorted(want, key=lambda r: r["index"])
     assert any(r["answer_ids"] for r in got) and all(r["prompt_ids"] for r in got)
 
+    # --only-distilled trains on the answered prompts alone (here: all ten).
+    res = run(config("medusa", setup["base"], setup["prompts"], tmp_path / "o2", data,
+                     until="distill", only_distilled=True, max_prompts=16), progress=False)
+    assert res["sequences"] == 10
     root = next((data / "features").iterdir())
     a = FeatureStore(root)
     # The stored features of a sequence equal an unbatched, unpadded teacher-forced pass.

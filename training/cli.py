@@ -35,6 +35,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=0)
     d.add_argument("--distill-batch-size", type=int, default=16)
+    d.add_argument("--only-distilled", action="store_true",
+                   help="use only the selected prompts the data folder has answered already "
+                        "(e.g. after stopping a long distillation)")
     d.add_argument("--feature-dtype", choices=("float16", "float32"), default="float16")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
@@ -100,7 +103,8 @@ def config_from_args(args):
         save_every=args.save_every,
         method_options=tuple(sorted((k, v) for k, v in options.items() if v is not None)),
         init_heads=args.init_heads, eval_prompts=args.eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens, until=args.until)
+        eval_max_new_tokens=args.eval_max_new_tokens, until=args.until,
+        only_distilled=args.only_distilled)
 
 
 def run_train(args) -> int:

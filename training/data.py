@@ -117,6 +117,26 @@ class DistillConfig:
     batch_size: int = 16
 
 
+DISTILL_WINDOW_BATCHES = 8
+
+
+def length_sorted_windows(items: list, window: int) -> list:
+    """items (index, prompt ids) sorted by prompt length within consecutive windows.
+
+    Similar lengths share a batch (less padding), while a run stopped early has answered about
+    a prefix of the selection, so its partial data keeps the selection's category balance.
+    """
+    out = []
+    for s in range(0, len(items), window):
+        out.extend(sorted(items[s:s + window], key=lambda t: len(t[1])))
+    return out
+
+
+def distilled_indices(folder) -> set[int]:
+    """Record indices already answered in a data folder."""
+    return set(_read_done(Path(folder) / DISTILL_FILE))
+
+
 def _read_done(path: Path) -> dict[int, dict]:
     """Finished records of a distill file; a torn last line (killed mid-write) is cut off."""
     done: dict[int, dict] = {}
@@ -194,8 +214,8 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
         eos = set(model.config.eos_token_ids)
         if getattr(tok, "eos_token_id", None) is not None:
             eos.add(int(tok.eos_token_id))
-        todo.sort(key=lambda t: len(t[1]))  # similar lengths share a batch: less padding
         bs = cfg.batch_size
+        todo = length_sorted_windows(todo, bs * DISTILL_WINDOW_BATCHES)
         per_seq = -(-bucket(max(len(p) for _, p in todo) + cfg.max_new_tokens + 1) // 16)
         engine = Engine(model.params, model.config, num_pages=2 * bs * per_seq + 8, page_size=16)
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)

@@ -316,6 +316,7 @@ class TrainConfig:
     eval_prompts: int = 20
     eval_max_new_tokens: int = 64
     until: str = "evaluate"  # last stage: distill, features, train or evaluate
+    only_distilled: bool = False  # train on the selected prompts already answered, answer none
 
     def optim(self) -> OptimConfig:
         return OptimConfig(lr=self.lr, steps=self.steps, warmup=self.warmup,
@@ -421,6 +422,13 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     _write_run_file(cfg, config.hidden_size, config.vocab_size)
     result: dict = {"out": cfg.out}
     train_idx, eval_idx = select_prompts(cfg, records, model.tokenizer)
+    if cfg.only_distilled:
+        from training.data import distilled_indices
+
+        done = distilled_indices(cfg.data_dir)
+        train_idx = [i for i in train_idx if i in done]
+        if not train_idx:
+            raise TrainError(f"--only-distilled: no selected prompt is answered in {cfg.data_dir}")
     dcfg = DistillConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed,
                          cfg.distill_batch)
     t0 = time.perf_counter()
