@@ -1,9 +1,24 @@
-"""Attention over the paged KV cache: Pallas GPU kernels, each beside its XLA reference."""
+"""Attention over the paged KV cache: Pallas GPU kernels, each beside its XLA reference.
+
+The model calls `paged_attention`, which runs the Pallas kernel on a CUDA GPU (compute
+capability >= 8.0) and the XLA reference elsewhere; see `dispatch` for the settings.
+"""
 
 from kernels_pallas.tree_paged_attention_reference import (
     tree_paged_attention_reference,
     visible_keys_mask,
 )
 from kernels_pallas.paged_kv_write import write_paged_kv
+from kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
+from kernels_pallas.dispatch import (
+    attention_backend,
+    attention_setting,
+    paged_attention,
+    use_attention_backend,
+)
 
-__all__ = ["tree_paged_attention_reference", "visible_keys_mask", "write_paged_kv"]
+__all__ = [
+    "attention_backend", "attention_setting", "paged_attention", "tree_paged_attention",
+    "tree_paged_attention_reference", "unsupported_reason", "use_attention_backend",
+    "visible_keys_mask", "write_paged_kv",
+]
