@@ -194,9 +194,24 @@ class EagleMethod(TrainMethod):
         return losses.eagle_loss(pred, target, lm_head_weight(base_params).astype(jnp.float32),
                                  mask, self.v_w, self.p_w)
 
+    def constants(self, store, config, init_heads=None):
+        """The answer tokens seen in training, most frequent first (at most DRAFT_VOCAB_CAP):
+        exported as `draft_ids` so decoding can draft from those lm_head rows only (FR-Spec)."""
+        counts = np.zeros(config.vocab_size, np.int64)
+        for i in range(len(store)):
+            s = store.sequence(i)
+            np.add.at(counts, np.asarray(s["tokens"])[np.asarray(s["mask"])], 1)
+        seen = int(np.count_nonzero(counts))
+        # Never fewer than 64 rows (trees take up to top-k ranks): unseen tokens fill up, by id.
+        n = min(config.vocab_size, max(64, min(seen, EAGLE_DRAFT_VOCAB_CAP)))
+        ids = np.argsort(-counts, kind="stable")[:n]
+        return {"draft_ids": jnp.asarray(ids.astype(np.int32))}
+
     def export(self, params, frozen, config):
         variables = {"fc": params["fc"],
                      "layers": {str(i): layer for i, layer in enumerate(params["layers"])}}
+        if "draft_ids" in frozen:
+            variables["draft_ids"] = np.asarray(frozen["draft_ids"], np.int32)
         meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
                 "config": self.draft_config(config).to_hf()}
         return variables, meta
@@ -208,6 +223,7 @@ class EagleMethod(TrainMethod):
         meta, _ = load_heads(path, "eagle")
         check_compatible(meta, config, path)
         dcfg, params = load_eagle_heads(path)
+        params.pop("draft_ids", None)  # recomputed from the data (constants)
         if dcfg.num_layers != self.num_layers:
             raise ValueError(f"{path} holds an EAGLE draft of {dcfg.num_layers} layers, the run "
                              f"asks for {self.num_layers}")
@@ -221,11 +237,22 @@ class EagleMethod(TrainMethod):
         meta, _ = load_heads(heads_dir, "eagle")
         check_compatible(meta, model.config, heads_dir)
         dcfg, net = load_eagle_heads(heads_dir)
+        ids = net.pop("draft_ids", None)
         dtype = model.params["embed"].dtype
         net = jax.tree_util.tree_map(lambda a: a.astype(dtype), net)
         proposer = EagleChainProposer(dcfg, max_draft_len=options.get("max_draft_len", 4))
-        return proposer, {"net": net, "embed": model.params["embed"],
-                          "lm_head": lm_head_weight(model.params)}
+        pparams = {"net": net, "embed": model.params["embed"],
+                   "lm_head": lm_head_weight(model.params)}
+        if ids is not None:  # draft from the rows of the tokens seen in training
+            from specjax.proposers.eagle_net import draft_vocabulary
+
+            pparams["lm_head"], pparams["draft_ids"] = draft_vocabulary(pparams["lm_head"], ids,
+                                                                        None)
+        return proposer, pparams
+
+
+# Most frequent answer tokens an EAGLE-1/2 head records for frequency-ranked drafting.
+EAGLE_DRAFT_VOCAB_CAP = 8192
 
 
 @dataclasses.dataclass(frozen=True)

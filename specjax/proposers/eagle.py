@@ -92,6 +92,10 @@ class _EagleBase:
 
     def _top(self, params, hidden, k: int):
         """(log-probs, target token ids) of the draft's k best tokens after each hidden state."""
+        rows = (params["net"]["lm_head"] if self.variant == "eagle3" else params["lm_head"]).shape[0]
+        if k > rows:
+            raise ValueError(f"the tree asks for the draft's top {k} tokens but its vocabulary "
+                             f"has {rows}")
         if self.variant == "eagle3":
             from specjax.proposers.eagle3_net import draft_to_target, eagle3_logprobs
 
