@@ -87,6 +87,16 @@ def _add_generate(sub):
                          "(TensorRT-LLM's names; default 7,5,7)")
     k.add_argument("--min-matching-ngram-size", type=int, default=1,
                    help="shortest n-gram to match (2 suits CPUs, where verifying costs more)")
+    par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through "
+                               "jax.distributed)")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor parallel: devices each layer is split over (divides KV heads)")
+    par.add_argument("--dp", type=int, default=1,
+                     help="data parallel: device groups the batch is split over")
+    par.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="multi-host: address of process 0 (run the same command on every host)")
+    par.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
+    par.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
 
 
 def _add_convert(sub):
@@ -189,16 +199,40 @@ def _parse_choices(text, flag: str = "--medusa-choices"):
     return choices
 
 
+def _parallel_mesh(args):
+    """The device mesh of --tp/--dp (None for one device), after joining the multi-host
+    runtime when --coordinator is given (before any other JAX use)."""
+    if args.tp < 1 or args.dp < 1:
+        raise UsageError(f"--tp and --dp must be >= 1, got {args.tp} and {args.dp}")
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(x is not None for x in multi) and any(x is None for x in multi):
+        raise UsageError("multi-host needs all of --coordinator, --num-processes and --process-id")
+    from specjax import sharding
+
+    if args.coordinator is not None:
+        sharding.init_distributed(args.coordinator, args.num_processes, args.process_id)
+    if args.tp * args.dp == 1 and args.coordinator is None:
+        return None
+    if args.coordinator is not None:
+        import jax
+
+        if args.tp * args.dp != jax.device_count():
+            raise UsageError(f"multi-host: --tp x --dp must span all {jax.device_count()} devices "
+                             f"of the {args.num_processes} processes, got {args.tp * args.dp}")
+    return sharding.make_mesh(args.tp, args.dp)
+
+
 def cmd_generate(args) -> int:
     _validate_generate(args)
     texts = read_prompts(args)
+    mesh = _parallel_mesh(args)
     from specjax.generate import Engine, bucket
     from specjax.loading import load_model
     from specjax.methods import make_proposer
     from specjax.sampling import SamplingConfig
     from specjax.spec_decode import scratch_slots
 
-    model = load_model(args.model)
+    model = load_model(args.model, mesh=mesh)
     proposer, proposer_params = make_proposer(
         args.method, model, max_draft_len=args.max_draft_len, use_logits=args.use_logits,
         draft_layers=args.draft_layers, draft_model=args.draft_model,
@@ -221,10 +255,12 @@ def cmd_generate(args) -> int:
     longest = max(len(e) for e in encoded) + args.max_new_tokens + scratch_slots(proposer)
     if args.cache_pages is None:
         per_seq = -(-bucket(longest) // args.page_size)
-        pages = 2 * args.batch_size * per_seq
+        pages = 2 * (args.batch_size + args.dp - 1) * per_seq  # batches pad to a multiple of dp
     else:
         pages = args.cache_pages
-    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size)
+    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size,
+                    mesh=mesh)
+    quiet = mesh is not None and _process_index() != 0
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     for batch in batches:
         prompts = [encoded[i] for i in batch]
@@ -242,6 +278,8 @@ def cmd_generate(args) -> int:
                 "steps": steps, "mean_accepted": len(ids) / steps if steps else 0.0,
                 "seconds": out.seconds, "tokens_per_s": len(ids) / out.seconds if out.seconds else 0.0,
             }
+            if quiet:  # multi-host: the process of the mesh's first device prints
+                continue
             if args.json:
                 print(json.dumps(rec, ensure_ascii=False), flush=True)
             else:
@@ -249,6 +287,12 @@ def cmd_generate(args) -> int:
                 print(f"[{len(ids)} tokens, {steps} steps, {rec['tokens_per_s']:.1f} tok/s]",
                       file=sys.stderr, flush=True)
     return 0
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 def cmd_convert(args) -> int:

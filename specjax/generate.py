@@ -74,40 +74,49 @@ def prefill(params, config: ModelConfig, cache: PagedKVCache, tokens, num_tokens
     return out.cache.replace(lengths=cache.lengths + num_tokens), last, hidden
 
 
+def _to_host(x):
+    """numpy copy of a result (gathered across hosts when the mesh spans several)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from specjax.sharding import to_host
+
+        return to_host(x)
+    return np.asarray(x)
+
+
 def _is_eos(tokens, eos_ids):
     if eos_ids.shape[0] == 0:
         return jnp.zeros(tokens.shape, bool)
     return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
 
 
+def decode_step(params, config: ModelConfig, sampling: SamplingConfig, s: DecodeState,
+                max_new_tokens, eos_ids) -> DecodeState:
+    """One vanilla decoding step: every unfinished sequence appends one sampled token."""
+    b = s.tokens.shape[0]
+    rows = jnp.arange(b)
+    pending = s.tokens[rows, s.lengths - 1][:, None]
+    positions = (s.lengths - 1)[:, None]
+    out = forward(params, config, pending, positions, s.cache, jnp.ones((b, 1, 1), bool),
+                  logits_at=jnp.zeros((b, 1), jnp.int32))
+    keys = jax.vmap(jax.random.fold_in)(s.keys, s.lengths)
+    nxt = sample_tokens(out.logits[:, 0], keys, sampling)
+    active = ~s.done
+    tokens = s.tokens.at[rows, s.lengths].set(jnp.where(active, nxt, s.tokens[rows, s.lengths]))
+    lengths = s.lengths + active
+    new_count = lengths - s.prompt_lengths
+    done = s.done | (active & (_is_eos(nxt, eos_ids) | (new_count >= max_new_tokens)))
+    cache = out.cache.replace(lengths=out.cache.lengths + active)
+    return s.replace(tokens=tokens, lengths=lengths, done=done, steps=s.steps + active,
+                     cache=cache)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "sampling"), donate_argnames=("state",))
 def decode_loop(params, config: ModelConfig, sampling: SamplingConfig, state: DecodeState,
                 max_new_tokens, eos_ids):
     """Vanilla decoding of every unfinished sequence until EOS or max_new_tokens, in one loop."""
-    b = state.tokens.shape[0]
-    one = jnp.ones((b, 1, 1), bool)
-    rows = jnp.arange(b)
-
-    def cond(s: DecodeState):
-        return jnp.any(~s.done)
-
-    def body(s: DecodeState):
-        pending = s.tokens[rows, s.lengths - 1][:, None]
-        positions = (s.lengths - 1)[:, None]
-        out = forward(params, config, pending, positions, s.cache, one,
-                      logits_at=jnp.zeros((b, 1), jnp.int32))
-        keys = jax.vmap(jax.random.fold_in)(s.keys, s.lengths)
-        nxt = sample_tokens(out.logits[:, 0], keys, sampling)
-        active = ~s.done
-        tokens = s.tokens.at[rows, s.lengths].set(jnp.where(active, nxt, s.tokens[rows, s.lengths]))
-        lengths = s.lengths + active
-        new_count = lengths - s.prompt_lengths
-        done = s.done | (active & (_is_eos(nxt, eos_ids) | (new_count >= max_new_tokens)))
-        cache = out.cache.replace(lengths=out.cache.lengths + active)
-        return s.replace(tokens=tokens, lengths=lengths, done=done, steps=s.steps + active,
-                         cache=cache)
-
-    return jax.lax.while_loop(cond, body, state)
+    return jax.lax.while_loop(
+        lambda s: jnp.any(~s.done),
+        lambda s: decode_step(params, config, sampling, s, max_new_tokens, eos_ids), state)
 
 
 @dataclasses.dataclass
@@ -146,18 +155,52 @@ class Engine:
     The pool persists across calls, so a request whose prompt shares full pages with an earlier
     one reuses their K/V (prefix caching). With a `proposer` (see `specjax.proposers`), decoding
     is speculative: each step verifies the proposer's draft tree in one target pass.
+    With a `mesh` (`sharding.make_mesh`), parameters, pools and batches are split over it
+    (tensor parallel over "model", batches padded to and split over "data"); see sharding.py.
     """
 
     def __init__(self, params, config: ModelConfig, *, num_pages: int = 512, page_size: int = 16,
-                 dtype=jnp.float32, max_context: int | None = None):
+                 dtype=jnp.float32, max_context: int | None = None, mesh=None):
+        self.mesh = mesh
+        self._fns = (prefill, decode_loop, spec_loop, init_proposer)
+        self._put_batch = self._put_replicated = jnp.asarray
+        self._sharded_pparams: dict = {}
+        if mesh is not None:
+            from specjax import sharding
+
+            params = sharding.shard_params(params, config, mesh)
+            self._fns = sharding.engine_functions(mesh)
+            self._put_batch = functools.partial(sharding.put_batch, mesh)
+            self._put_replicated = functools.partial(sharding.put_replicated, mesh)
         self.params = params
         self.config = config
         self.page_size = page_size
         self.dtype = dtype
         self.max_context = max_context or config.max_position_embeddings
         self.allocator = PageAllocator(num_pages, page_size)
-        self.k_pages, self.v_pages = init_pages(config, num_pages, page_size, dtype)
+        self.k_pages, self.v_pages = self._init(lambda: init_pages(config, num_pages, page_size,
+                                                                   dtype))
         self._proposer_pools: dict = {}
+
+    def _init(self, make):
+        """make() (pools), built directly in its shards when there is a mesh."""
+        if self.mesh is None:
+            return make()
+        from specjax.sharding import sharded_init
+
+        return sharded_init(self.mesh, make)
+
+    def _sharded(self, proposer, proposer_params):
+        """The proposer's parameters on the mesh (placed once per parameter pytree)."""
+        if self.mesh is None or proposer_params is None:
+            return proposer_params
+        key = (id(proposer_params), proposer)
+        if key not in self._sharded_pparams:
+            from specjax.sharding import shard_proposer_params
+
+            self._sharded_pparams[key] = (proposer_params, shard_proposer_params(
+                proposer, proposer_params, self.mesh, self.config.vocab_size))
+        return self._sharded_pparams[key][1]
 
     def _check(self, prompts, max_new_tokens):
         if max_new_tokens < 0:
@@ -194,6 +237,17 @@ class Engine:
         seeds = [seeds + i for i in range(b)] if isinstance(seeds, int) else list(seeds)
         if len(seeds) != b:
             raise GenerationError(f"{len(seeds)} seeds for {b} prompts")
+        dp = 1 if self.mesh is None else self.mesh.shape["data"]
+        if b % dp:  # the "data" axis splits the batch evenly: pad with copies of the last prompt
+            pad = dp - b % dp
+            out = self.generate(prompts + [prompts[-1]] * pad, max_new_tokens, sampling=sampling,
+                                seeds=seeds + [seeds[-1]] * pad, eos_token_ids=eos_token_ids,
+                                warmup=warmup, proposer=proposer, proposer_params=proposer_params)
+            hist = None if out.accepted_hist is None else out.accepted_hist[:b]
+            return dataclasses.replace(out, token_ids=out.token_ids[:b], steps=out.steps[:b],
+                                       finished_by_eos=out.finished_by_eos[:b],
+                                       accepted_hist=hist)
+        proposer_params = self._sharded(proposer, proposer_params)
         lens = [len(p) for p in prompts]
         scratch = scratch_slots(proposer)
         total = [n + max_new_tokens + scratch for n in lens]
@@ -225,30 +279,32 @@ class Engine:
         """Fresh zeroed pools and an empty prefix cache (the old contents are gone)."""
         num_pages = self.allocator.num_pages
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self.k_pages, self.v_pages = init_pages(self.config, num_pages, self.page_size, self.dtype)
+        self.k_pages, self.v_pages = self._init(
+            lambda: init_pages(self.config, num_pages, self.page_size, self.dtype))
         self._proposer_pools.clear()
 
     def _pools_for(self, proposer):
         if proposer not in self._proposer_pools:
-            self._proposer_pools[proposer] = proposer.make_pools(
-                self.allocator.num_pages, self.page_size, self.dtype)
+            self._proposer_pools[proposer] = self._init(lambda: proposer.make_pools(
+                self.allocator.num_pages, self.page_size, self.dtype))
         return self._proposer_pools.pop(proposer)
 
     def _run(self, prompts, lens, cached, page_lists, max_new_tokens, sampling, seeds, eos, t0,
              warmup, proposer, proposer_params, scratch):
         b = len(prompts)
+        prefill, decode_loop, spec_loop, init_proposer = self._fns
+        put, put1 = self._put_batch, self._put_replicated
         pages_per_seq = pages_needed(bucket(max(lens) + max_new_tokens + scratch), self.page_size)
-        table = jnp.asarray(block_table_array(page_lists, pages_per_seq, self.allocator.num_pages))
-        cache = PagedKVCache(self.k_pages, self.v_pages, table, jnp.asarray(cached, jnp.int32))
+        table = put(block_table_array(page_lists, pages_per_seq, self.allocator.num_pages))
+        cache = PagedKVCache(self.k_pages, self.v_pages, table, put(np.asarray(cached, np.int32)))
         self.k_pages = self.v_pages = None  # donated below; restored from the loop's result
         chunk = [p[c:n - 1] for p, c, n in zip(prompts, cached, lens)]
         width = bucket(max(len(c) for c in chunk))
         chunk_arr = np.zeros((b, width), np.int32)
         for i, c in enumerate(chunk):
             chunk_arr[i, :len(c)] = c
-        cache, features, chunk_hidden = prefill(self.params, self.config, cache,
-                                                jnp.asarray(chunk_arr),
-                                                jnp.asarray([len(c) for c in chunk], jnp.int32),
+        cache, features, chunk_hidden = prefill(self.params, self.config, cache, put(chunk_arr),
+                                                put(np.asarray([len(c) for c in chunk], np.int32)),
                                                 tuple(getattr(proposer, "feature_layers", ())))
         if not warmup:
             for pages, p, n in zip(page_lists, prompts, lens):
@@ -256,13 +312,13 @@ class Engine:
         buf = np.zeros((b, pages_per_seq * self.page_size + 1), np.int32)
         for i, p in enumerate(prompts):
             buf[i, :len(p)] = p
-        tokens = jnp.asarray(buf)
-        lengths = jnp.asarray(lens, jnp.int32)
-        keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds))
-        limit = jnp.int32(min(max_new_tokens, 1) if warmup else max_new_tokens)
-        eos_arr = jnp.asarray(eos, jnp.int32).reshape(-1)
-        done = jnp.full((b,), max_new_tokens == 0)
-        steps = jnp.zeros((b,), jnp.int32)
+        tokens = put(buf)
+        lengths = put(np.asarray(lens, np.int32))
+        keys = put(np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds))))
+        limit = put1(np.int32(min(max_new_tokens, 1) if warmup else max_new_tokens))
+        eos_arr = put1(np.asarray(eos, np.int32).reshape(-1))
+        done = put(np.full((b,), max_new_tokens == 0))
+        steps = put(np.zeros((b,), np.int32))
         hist = None
         if proposer is None:
             jax.block_until_ready(cache)
@@ -278,19 +334,19 @@ class Engine:
             ctx = SpecContext(tokens, lengths, cache.block_tables, features,
                               prompt_hidden=chunk_hidden)
             pstate = init_proposer(proposer, proposer_params, self._pools_for(proposer), ctx,
-                                   jnp.asarray(prompt_chunk), lengths - 1)
+                                   put(prompt_chunk), put(np.asarray(lens, np.int32) - 1))
             jax.block_until_ready((cache, pstate))
             prefill_seconds = time.perf_counter() - t0
             state = SpecState(tokens=tokens, lengths=lengths, prompt_lengths=lengths + 0, done=done,
                               steps=steps, keys=keys, cache=cache, features=features,
                               proposer_state=pstate,
-                              accepted_hist=jnp.zeros((b, proposer.tree_size), jnp.int32))
+                              accepted_hist=put(np.zeros((b, proposer.tree_size), np.int32)))
             state = spec_loop(self.params, self.config, proposer, proposer_params, sampling, state,
                               limit, eos_arr)
             self._proposer_pools[proposer] = proposer.pools_of(state.proposer_state)
-            hist = np.asarray(state.accepted_hist).tolist()
+            hist = _to_host(state.accepted_hist).tolist()
         self.k_pages, self.v_pages = state.cache.k_pages, state.cache.v_pages
-        tokens, lengths, steps = jax.device_get((state.tokens, state.lengths, state.steps))
+        tokens, lengths, steps = (_to_host(x) for x in (state.tokens, state.lengths, state.steps))
         seconds = time.perf_counter() - t0
         out = [tokens[i, n:lengths[i]].tolist() for i, n in enumerate(lens)]
         eos_set = set(eos)

@@ -70,12 +70,21 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
-def load_model(name_or_path: str = "smollm2-135m", dtype=None) -> Model:
-    """Load a model by embedded name, checkpoint directory (specjax or Hugging Face) or GGUF file."""
+def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None) -> Model:
+    """Load a model by embedded name, checkpoint directory (specjax or Hugging Face) or GGUF file.
+
+    With a `mesh` (`sharding.make_mesh`), each weight goes from host memory straight into its
+    shards (tensor-parallel layers unfused), never whole onto one device.
+    """
     path = resolve_model_path(str(name_or_path))
     dtype = default_dtype() if dtype is None else dtype
     params, config, hf_config = load_checkpoint(path, np.float32)
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+    if mesh is not None:
+        from specjax.sharding import shard_params
+
+        params = shard_params(params, config, mesh, dtype)
+    else:
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
     from convert.registry import is_embedded
 
     name = str(name_or_path) if is_embedded(str(name_or_path)) else None

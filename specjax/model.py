@@ -75,11 +75,16 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     b, t, _ = x.shape
     hd = config.head_dim
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
-    qkv = h @ layer["wqkv"]
-    if config.attention_bias:
-        qkv = qkv + layer["bqkv"]
-    nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
-    q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    if "wqkv" in layer:
+        qkv = h @ layer["wqkv"]
+        if config.attention_bias:
+            qkv = qkv + layer["bqkv"]
+        nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:  # unfused (tensor-parallel layers: each product splits over whole heads, sharding.py)
+        q, k, v = (h @ layer[w] for w in ("wq", "wk", "wv"))
+        if config.attention_bias:
+            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
@@ -91,7 +96,10 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
 
 def _mlp_block(layer, config: ModelConfig, x):
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-    gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+    if "w_gate_up" in layer:
+        gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+    else:  # unfused (tensor-parallel layers)
+        gate, up = h @ layer["w_gate"], h @ layer["w_up"]
     return x + (jax.nn.silu(gate) * up) @ layer["w_down"]
 
 
