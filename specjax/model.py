@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import tree_paged_attention_reference, visible_keys_mask, write_paged_kv
+from kernels_pallas import attention_backend, paged_attention, visible_keys_mask, write_paged_kv
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.rope import apply_rope, rope_cos_sin
@@ -89,8 +89,12 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
-    attn = tree_paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, tree_mask,
-                                          key_mask=keys_seen)
+    # Pallas kernel on GPU, XLA reference elsewhere (kernels_pallas.dispatch). Without a sliding
+    # window keys_seen is the mask lengths and tree_mask imply, which the kernel builds itself;
+    # the reference takes it precomputed (once per forward, not once per layer).
+    exact = config.sliding_window is None and attention_backend() != "xla"
+    attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
+                           key_mask=None if exact else keys_seen)
     return x + attn.reshape(b, t, -1) @ layer["wo"], k_pages, v_pages
 
 
