@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import tree_paged_attention_reference, write_paged_kv
+from kernels_pallas import attention_backend, paged_attention, write_paged_kv
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import _mlp_block, key_mask, rms_norm
@@ -64,8 +64,10 @@ def _midlayer(layer, config: ModelConfig, emb, h, cos, sin, k_pages, v_pages, ca
     k = apply_rope(qkv[..., nq:nq + nkv].reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = qkv[..., nq + nkv:].reshape(b, t, config.num_kv_heads, hd)
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, slots, k, v, valid)
-    attn = tree_paged_attention_reference(q, k_pages, v_pages, cache.block_tables, cache.lengths,
-                                          tree_mask, key_mask=keys_seen)
+    # Pallas kernel on GPU, XLA reference elsewhere (as in model._attention_block).
+    exact = config.sliding_window is None and attention_backend() != "xla"
+    attn = paged_attention(q, k_pages, v_pages, cache.block_tables, cache.lengths, tree_mask,
+                           key_mask=None if exact else keys_seen)
     x = h + attn.reshape(b, t, -1) @ layer["wo"]
     return _mlp_block(layer, config, x), k_pages, v_pages
 
