@@ -74,9 +74,10 @@ def _add_generate(sub):
                    help="EAGLE-2/3: children per expanded node and nodes expanded per depth "
                         "(default 8)")
     r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
-    r.add_argument("--redrafter-num-beams", type=int, default=5, help="beams drafted per step")
-    r.add_argument("--redrafter-draft-len-per-beam", type=int, default=5,
-                   help="tokens each beam drafts")
+    r.add_argument("--redrafter-num-beams", type=int, default=None,
+                   help="beams drafted per step (default: the heads' recommendation, else 5)")
+    r.add_argument("--redrafter-draft-len-per-beam", type=int, default=None,
+                   help="tokens each beam drafts (default: the heads' recommendation, else 5)")
     r.add_argument("--redrafter-no-greedy-search", action="store_true",
                    help="sample the beams at the request's temperature instead of beam search")
     r.add_argument("--redrafter-warp-top-k", type=int, default=50,

@@ -33,6 +33,19 @@ def shipped_heads(model: Model, method: str) -> Path | None:
     return path if (path / "specjax.json").exists() else None
 
 
+def heads_decoding_defaults(heads, method: str) -> dict:
+    """The `make_proposer` options a head checkpoint recommends for `method` (may be empty)."""
+    import json
+
+    meta_file = Path(heads) / "specjax.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError):
+        return {}  # loading the heads reports what is wrong
+    defaults = meta.get("decoding_defaults", {})
+    return dict(defaults.get(method, {})) if isinstance(defaults, dict) else {}
+
+
 def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_logits: bool = False,
                   draft_layers: int | None = None, draft_model: str | None = None,
                   prompt_lookup_num_tokens: int = 10, max_matching_ngram_size: int = 3,
@@ -41,8 +54,9 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   posterior_alpha: float = 0.3, eagle_choices=None,
                   eagle_total_tokens: int | None = None, eagle_depth: int | None = None,
                   eagle_top_k: int | None = None, eagle_draft_vocab: int | None = None,
-                  redrafter_num_beams: int = 5,
-                  redrafter_draft_len_per_beam: int = 5, redrafter_greedy_search: bool = True,
+                  redrafter_num_beams: int | None = None,
+                  redrafter_draft_len_per_beam: int | None = None,
+                  redrafter_greedy_search: bool = True,
                   redrafter_warp_top_k: int | None = 50, lookahead=(7, 5, 7)):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
 
@@ -50,12 +64,28 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     self-draft of the target's first `draft_layers` layers (default 8) with its norm and head.
     lookahead: TensorRT-LLM's (W, N, G) = (max_window_size, max_ngram_size,
     max_verification_set_size).
+    Head methods: options left None take the head checkpoint's `decoding_defaults` for the
+    method (the tree sizes its model card recommends), else the method's own defaults.
     """
     if method == "vanilla":
         return None, None
     if heads is None and method in HEAD_KINDS:
         found = shipped_heads(target, method)
         heads = None if found is None else str(found)
+    if heads is not None and method in HEAD_KINDS:
+        given = dict(medusa_choices=medusa_choices, eagle_choices=eagle_choices,
+                     eagle_total_tokens=eagle_total_tokens, eagle_depth=eagle_depth,
+                     eagle_top_k=eagle_top_k, eagle_draft_vocab=eagle_draft_vocab,
+                     redrafter_num_beams=redrafter_num_beams,
+                     redrafter_draft_len_per_beam=redrafter_draft_len_per_beam)
+        filled = {k: v for k, v in heads_decoding_defaults(heads, method).items()
+                  if k in given and given[k] is None}
+        if filled:
+            return make_proposer(method, target, heads=heads, posterior_threshold=posterior_threshold,
+                                 posterior_alpha=posterior_alpha,
+                                 redrafter_greedy_search=redrafter_greedy_search,
+                                 redrafter_warp_top_k=redrafter_warp_top_k,
+                                 **{**{k: v for k, v in given.items() if v is not None}, **filled})
     if method == "pld":
         return PromptLookupProposer(prompt_lookup_num_tokens, max_matching_ngram_size,
                                     min_matching_ngram_size), None
@@ -90,8 +120,8 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
             raise MethodError("--method redrafter needs --heads PATH (a specjax ReDrafter head "
                               "checkpoint)")
         try:
-            return make_redrafter(target, heads, num_beams=redrafter_num_beams,
-                                  draft_len_per_beam=redrafter_draft_len_per_beam,
+            return make_redrafter(target, heads, num_beams=redrafter_num_beams or 5,
+                                  draft_len_per_beam=redrafter_draft_len_per_beam or 5,
                                   greedy_search=redrafter_greedy_search,
                                   warp_top_k=redrafter_warp_top_k)
         except ValueError as e:

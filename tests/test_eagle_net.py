@@ -141,3 +141,23 @@ def test_eagle_errors(eagle_dir, tmp_path, tiny_llama, capsys, case, words):
     assert main(args) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_heads_recommend_decoding_defaults(eagle_dir, tmp_path, tiny_llama):
+    """Options left unset take the head checkpoint's `decoding_defaults`; given ones win."""
+    from specjax import load_model
+    from specjax.methods import make_proposer
+
+    d, _, _, _ = eagle_dir
+    out = convert_eagle(d, tmp_path / "sj")
+    meta = json.loads((out / "specjax.json").read_text())
+    meta["decoding_defaults"] = {"eagle2": {"eagle_total_tokens": 6, "eagle_depth": 2,
+                                            "eagle_top_k": 2}}
+    (out / "specjax.json").write_text(json.dumps(meta))
+    model = load_model(str(tiny_llama[0]))
+    p, _ = make_proposer("eagle2", model, heads=str(out))
+    assert (p.total_tokens, p.depth, p.top_k) == (6, 2, 2)
+    p, _ = make_proposer("eagle2", model, heads=str(out), eagle_total_tokens=5)
+    assert (p.total_tokens, p.depth, p.top_k) == (5, 2, 2)
+    p, _ = make_proposer("eagle", model, heads=str(out))  # nothing recommended for EAGLE-1
+    assert p.tree_size == 26
