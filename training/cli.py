@@ -6,7 +6,6 @@ Errors print one line on stderr and exit non-zero; `--debug` shows the traceback
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -131,18 +130,7 @@ def run_train(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_train_parser(sub)
-    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return run_train(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # one line, no traceback: the CLI contract
-        if args.debug or os.environ.get("SPECJAX_DEBUG"):
-            raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"specjax: error: {msg}", file=sys.stderr)
-        return 1
+    """`python -m training ARGS` = `specjax train ARGS` (same parser, same one-line errors)."""
+    from specjax.cli import main as specjax_main
+
+    return specjax_main(["train", *(sys.argv[1:] if argv is None else argv)])
