@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 from pathlib import Path
+
+from specjax.bench import machine  # noqa: F401  (re-exported for the scripts)
 
 
 def read_prompts(path: Path, limit: int, category: str | None = None) -> list[str]:
@@ -18,15 +18,3 @@ def read_prompts(path: Path, limit: int, category: str | None = None) -> list[st
         prompts.append(rec["turns"][0] if "turns" in rec else rec["prompt"])
     step = max(1, len(prompts) // limit)
     return prompts[::step][:limit]
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"

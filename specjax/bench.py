@@ -86,7 +86,8 @@ def read_bench_prompts(path, categories=None, limit=None) -> list[dict]:
     return out
 
 
-def _machine() -> str:
+def machine() -> str:
+    """The CPU model and core count, for result tables."""
     import os
     import platform
 
@@ -187,7 +188,7 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
             log.write(json.dumps(rec) + "\n")
             log.flush()
     rows = summarize(done, [p for p in prompts], labels)
-    result = {"machine": _machine(), "model": model_name, "max_new_tokens": max_new_tokens,
+    result = {"machine": machine(), "model": model_name, "max_new_tokens": max_new_tokens,
               "batch": 1, "prompts_file": str(prompts_file), "rows": rows}
     write_results(result, out_dir)
     return result
