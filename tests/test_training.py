@@ -139,6 +139,18 @@ def test_eagle_loss_matches_torch():
     agree = ((P @ H.T).argmax(-1) == (T @ H.T).argmax(-1)).float()
     np.testing.assert_allclose(float(m["acc_k"][0]),
                                (agree * M[..., 0]).sum().item() / (M.sum().item() + 1e-5), rtol=1e-6)
+    # Scored positions: token terms at those positions only, the regression still everywhere.
+    pos = np.array([[1, 4, 7], [0, 2, 8]], np.int32)
+    ok = np.array([[True, True, False], [True, True, True]])
+    _, ms = eagle_loss(jnp.asarray(pred), jnp.asarray(target), jnp.asarray(head),
+                       jnp.asarray(mask), positions=jnp.asarray(pos), ok=jnp.asarray(ok))
+    sel = np.zeros((b, t), np.float32)
+    for r in range(b):
+        sel[r, pos[r][ok[r]]] = 1
+    Ms = M * torch.tensor(sel)[:, :, None]
+    want_p = -torch.sum(torch.sum(Ms * target_p * logp, 2)) / (Ms.sum() + 1e-5)
+    np.testing.assert_allclose(float(ms["ploss"]), want_p.item(), rtol=1e-5)
+    np.testing.assert_allclose(float(ms["vloss"]), vloss.item(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["medusa", "redrafter"])

@@ -61,8 +61,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--draft-steps", type=int, default=None,
                    help="EAGLE-3 training-time-test steps (7) / ReDrafter drafted tokens (5)")
     m.add_argument("--loss-positions", type=int, default=None,
-                   help="Medusa/ReDrafter: score N random answer positions per sequence and step "
-                        "(cheaper steps on CPU; default all)")
+                   help="Medusa/ReDrafter/EAGLE: score N random answer positions per sequence "
+                        "and step through the vocabulary projection (cheaper steps on CPU; "
+                        "default all)")
     m.add_argument("--draft-vocab-size", type=int, default=None,
                    help="EAGLE-3 (default 8192) / ReDrafter (default: all) draft vocabulary: the "
                         "most frequent answer tokens")

@@ -113,15 +113,26 @@ def smooth_l1(x, y, beta: float = 1.0):
     return jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
 
 
-def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: float = EAGLE_P_W):
+def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: float = EAGLE_P_W,
+               positions=None, ok=None):
     """EAGLE loss of predicted features [B, T, D] against the target's next features [B, T, D].
 
     lm_head: the target's frozen [V, D] head; mask [B, T]: positions that count.
+    positions / ok (int32[B, n], bool[B, n], from `sample_positions`): score the token terms
+    (ploss, accuracy) at these positions only; the feature regression always covers every
+    position (it is cheap, the vocabulary projections are not).
     Returns (v_w * vloss + p_w * ploss, {"vloss", "ploss", "acc_k": [1] top-1 agreement of the
     predicted token with the target's argmax}).
     """
     m = mask.astype(jnp.float32)
     denom = jnp.sum(m) + 1e-5
+    vloss = jnp.sum(m * jnp.mean(smooth_l1(predicted.astype(jnp.float32),
+                                           target.astype(jnp.float32)), axis=-1)) / denom
+    if positions is not None:
+        predicted = jnp.take_along_axis(predicted, positions[..., None], axis=1)
+        target = jnp.take_along_axis(target, positions[..., None], axis=1)
+        m = (jnp.take_along_axis(mask, positions, axis=1) & ok).astype(jnp.float32)
+        denom = jnp.sum(m) + 1e-5
     t_logits = jnp.einsum("btd,vd->btv", target, lm_head, preferred_element_type=jnp.float32)
     target_p = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
     p_logits = jnp.einsum("btd,vd->btv", predicted, lm_head, preferred_element_type=jnp.float32)
@@ -129,8 +140,6 @@ def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: fl
     ploss = -jnp.sum(m * jnp.sum(target_p * logp, axis=-1)) / denom
     # ploss minus its floor (the target's entropy): the KL divergence the draft still has
     entropy = -jnp.sum(m * jnp.sum(target_p * jax.nn.log_softmax(t_logits, -1), axis=-1)) / denom
-    vloss = jnp.sum(m * jnp.mean(smooth_l1(predicted.astype(jnp.float32),
-                                           target.astype(jnp.float32)), axis=-1)) / denom
     acc = jnp.sum(m * (jnp.argmax(p_logits, -1) == jnp.argmax(t_logits, -1))) / denom
     return v_w * vloss + p_w * ploss, {"vloss": vloss, "ploss": ploss, "kl": ploss - entropy,
                                        "acc_k": acc[None]}

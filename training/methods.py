@@ -149,6 +149,7 @@ class EagleMethod(TrainMethod):
     noise_std: float = losses.EAGLE_NOISE_STD
     v_w: float = losses.EAGLE_V_W
     p_w: float = losses.EAGLE_P_W
+    loss_positions: int | None = None  # score the token loss at this many random positions
     name: str = "eagle"
     kind: str = "eagle"
     num_outputs: int = 1
@@ -191,8 +192,12 @@ class EagleMethod(TrainMethod):
             noisy = losses.uniform_feature_noise(key, feats, lengths, self.noise_std)
             feats = jnp.where(batch["valid"][..., None], noisy, feats)
         pred = self.draft(params, base_params, config, tokens, feats, batch["valid"])
+        pos = ok = None
+        if self.loss_positions:
+            pos, ok = losses.sample_positions(jax.random.fold_in(key, 1), mask,
+                                              self.loss_positions)
         return losses.eagle_loss(pred, target, lm_head_weight(base_params).astype(jnp.float32),
-                                 mask, self.v_w, self.p_w)
+                                 mask, self.v_w, self.p_w, pos, ok)
 
     def constants(self, store, config, init_heads=None):
         """The answer tokens seen in training, most frequent first (at most DRAFT_VOCAB_CAP):
