@@ -5,6 +5,8 @@ capability >= 8.0) and the XLA reference elsewhere; see `dispatch` for the setti
 """
 
 from kernels_pallas.tree_paged_attention_reference import (
+    gather_pages,
+    gathered_attention,
     tree_paged_attention_reference,
     visible_keys_mask,
 )
@@ -18,7 +20,7 @@ from kernels_pallas.dispatch import (
 )
 
 __all__ = [
-    "attention_backend", "attention_setting", "paged_attention", "tree_paged_attention",
+    "attention_backend", "gather_pages", "gathered_attention", "attention_setting", "paged_attention", "tree_paged_attention",
     "tree_paged_attention_reference", "unsupported_reason", "use_attention_backend",
     "visible_keys_mask", "write_paged_kv",
 ]

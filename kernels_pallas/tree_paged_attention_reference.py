@@ -49,14 +49,18 @@ def tree_paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, t
     lengths and tree_mask when given (the model computes it once for all layers, with sliding
     windows). Keys the mask hides never reach the output, even when their pages hold NaN.
     """
-    b, t, h, d = q.shape
-    kvh, num_pages, page_size, _ = k_pages.shape
-    n = block_tables.shape[1]
-    num_slots = n * page_size
-    scale = d ** -0.5 if scale is None else scale
-    k = gather_pages(k_pages, block_tables)
-    v = gather_pages(v_pages, block_tables)
+    num_slots = block_tables.shape[1] * k_pages.shape[2]
     mask = visible_keys_mask(lengths, tree_mask, num_slots) if key_mask is None else key_mask
+    return gathered_attention(q, gather_pages(k_pages, block_tables),
+                              gather_pages(v_pages, block_tables), mask, scale=scale)
+
+
+def gathered_attention(q, k, v, mask, *, scale=None):
+    """Attention of q [B, T, H, D] over each sequence's gathered slots k, v [KVH, B, S, D]
+    (`gather_pages`) where mask [B, T, S] allows; returns [B, T, H, D] in q's dtype."""
+    b, t, h, d = q.shape
+    kvh, _, num_slots, _ = k.shape
+    scale = d ** -0.5 if scale is None else scale
     # Hidden slots get weight 0, but 0 * NaN is NaN: zero their values (keys need no care, their
     # scores are replaced below).
     slot_used = jnp.any(mask, axis=1)  # [B, S]: slots some query reads

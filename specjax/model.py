@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import attention_backend, paged_attention, visible_keys_mask, write_paged_kv
+from kernels_pallas import (attention_backend, gather_pages, gathered_attention, paged_attention,
+                            visible_keys_mask, write_paged_kv)
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.rope import apply_rope, rope_cos_sin
@@ -27,6 +28,9 @@ class ForwardOutput(NamedTuple):
     hidden: jax.Array  # [B, T, D] final hidden state after the last norm
     layer_hiddens: tuple  # residual stream after each requested layer, [B, T, D] each
     cache: PagedKVCache  # with the new tokens' K/V written (lengths unchanged)
+    # With defer_kv_write: the new tokens' (keys, values), one [B, T, KVH, D] per layer each,
+    # not yet in `cache` (write them with `write_new_kv`).
+    new_kv: tuple | None = None
 
 
 def rms_norm(x, weight, eps):
@@ -71,7 +75,7 @@ def compute_logits(params, hidden):
 
 
 def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, block_tables,
-                     lengths, slots, write_ok, tree_mask, keys_seen):
+                     lengths, slots, write_ok, tree_mask, keys_seen, defer_write=False):
     b, t, _ = x.shape
     hd = config.head_dim
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
@@ -88,6 +92,10 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
+    if defer_write:  # attend over a gathered copy holding the new rows; the pools stay as they are
+        attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, slots, write_ok,
+                                    keys_seen)
+        return x + attn.reshape(b, t, -1) @ layer["wo"], k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     # Pallas kernel on GPU, XLA reference elsewhere (kernels_pallas.dispatch). Without a sliding
     # window keys_seen is the mask lengths and tree_mask imply, which the kernel builds itself;
@@ -96,6 +104,33 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
     return x + attn.reshape(b, t, -1) @ layer["wo"], k_pages, v_pages
+
+
+def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, slots, write_ok, keys_seen):
+    """Attention as if k, v [B, T, KVH, D] were written at `slots`, without writing the pools.
+
+    XLA cannot update buffers in place across the branches of a `lax.switch` (it copies every
+    pool in and out of the branch each step); a verify pass inside one defers its writes instead.
+    """
+    num_slots = keys_seen.shape[-1]
+    rows = jnp.arange(q.shape[0])[:, None]
+    cols = jnp.where(write_ok, slots, num_slots)  # out of range: dropped
+    k_seq = gather_pages(k_pages, block_tables)  # [KVH, B, S, D]
+    v_seq = gather_pages(v_pages, block_tables)
+    k_seq = k_seq.at[:, rows, cols].set(jnp.moveaxis(k, 2, 0).astype(k_seq.dtype), mode="drop")
+    v_seq = v_seq.at[:, rows, cols].set(jnp.moveaxis(v, 2, 0).astype(v_seq.dtype), mode="drop")
+    return gathered_attention(q, k_seq, v_seq, keys_seen)
+
+
+def write_new_kv(cache: PagedKVCache, new_kv, slots, valid) -> PagedKVCache:
+    """The cache with a deferred forward's K/V (`ForwardOutput.new_kv`) written at slots [B, T]
+    where valid [B, T]."""
+    k_all, v_all = [], []
+    for k_pages, v_pages, k, v in zip(cache.k_pages, cache.v_pages, *new_kv):
+        k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, slots, k, v, valid)
+        k_all.append(k_pages)
+        v_all.append(v_pages)
+    return cache.replace(k_pages=k_all, v_pages=v_all)
 
 
 def _mlp_block(layer, config: ModelConfig, x):
@@ -131,7 +166,7 @@ def key_mask(config: ModelConfig, cache: PagedKVCache, positions, tree_mask):
 
 
 def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCache, tree_mask,
-                   valid, capture=frozenset(), slots=None):
+                   valid, capture=frozenset(), slots=None, defer_kv_write=False):
     """The decoder layers over input vectors x [B, T, D] (no embedding, no final norm).
 
     Returns (x, cache with the new K/V written, {layer index: output} for `capture`). A layer
@@ -140,6 +175,8 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
     over several calls passes `slots` (int32[B, T], each >= lengths) and a tree_mask [B, T, J]
     over the scratch slots lengths .. lengths + J - 1, where earlier calls wrote the ancestors;
     the caller then hides unwritten slots itself.
+    defer_kv_write: leave the pools untouched and return the new (keys, values) per layer as a
+    fourth result (None otherwise); XLA reference attention only.
     """
     t = x.shape[1]
     if slots is None:
@@ -151,18 +188,27 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
     keys_seen = key_mask(config, cache, positions, tree_mask)
     captured = {}
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
+    new_k, new_v = [], []
     for i, layer in enumerate(layers):
-        x, k_all[i], v_all[i] = _attention_block(
+        x, k, v = _attention_block(
             layer, config, x, cos, sin, k_all[i], v_all[i], cache.block_tables, cache.lengths,
-            slots, valid, tree_mask, keys_seen)
+            slots, valid, tree_mask, keys_seen, defer_kv_write)
+        if defer_kv_write:
+            new_k.append(k)
+            new_v.append(v)
+        else:
+            k_all[i], v_all[i] = k, v
         x = _mlp_block(layer, config, x)
         if i in capture:
             captured[i] = x
-    return x, cache.replace(k_pages=k_all, v_pages=v_all), captured
+    if defer_kv_write:
+        return x, cache, captured, (tuple(new_k), tuple(new_v))
+    return x, cache.replace(k_pages=k_all, v_pages=v_all), captured, None
 
 
 def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache, tree_mask, *,
-            valid=None, logits_at=None, hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+            valid=None, logits_at=None, hidden_layers: Sequence[int] = (),
+            defer_kv_write: bool = False) -> ForwardOutput:
     """Run the decoder over T new tokens per sequence, writing their K/V into the cache.
 
     tokens, positions: int32[B, T]. New token i of sequence b is stored at slot
@@ -171,6 +217,8 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     valid (bool[B, T]) marks padding whose K/V is not written. logits_at (int32[B, K]) picks the
     positions whose logits are computed (all when None; an empty K skips the head).
     hidden_layers: indices of decoder layers whose output residual stream is returned.
+    defer_kv_write: return the new K/V in `new_kv` instead of writing them (the cache comes back
+    unchanged); for passes inside `lax.switch` branches (see `_attention_unwritten`).
     """
     b, t = tokens.shape
     if valid is None:
@@ -178,8 +226,10 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     wanted = set(hidden_layers)
     if any(i < 0 or i >= config.num_layers for i in wanted):
         raise ValueError(f"hidden_layers must lie in [0, {config.num_layers})")
-    x, cache, captured = decoder_layers(params["layers"], config, params["embed"][tokens],
-                                        positions, cache, tree_mask, valid, wanted)
+    x, cache, captured, new_kv = decoder_layers(params["layers"], config,
+                                                params["embed"][tokens], positions, cache,
+                                                tree_mask, valid, wanted,
+                                                defer_kv_write=defer_kv_write)
     hidden = rms_norm(x, params["norm"], config.rms_norm_eps)
     if logits_at is None:
         logits = compute_logits(params, hidden)
@@ -188,7 +238,7 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     else:
         picked = jnp.take_along_axis(hidden, logits_at[:, :, None], axis=1)
         logits = compute_logits(params, picked)
-    return ForwardOutput(logits, hidden, tuple(captured[i] for i in hidden_layers), cache)
+    return ForwardOutput(logits, hidden, tuple(captured[i] for i in hidden_layers), cache, new_kv)
 
 
 def causal_mask(batch: int, t: int):

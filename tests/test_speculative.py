@@ -502,6 +502,53 @@ def test_tree_verify_equals_per_path_chains(verify_setup, batch):
     assert err < 1e-4, err
 
 
+def test_verify_with_deferred_writes_equals_written(target, monkeypatch):
+    """verify_pruned's branches return their K/V (written after lax.switch, so XLA updates the
+    pools in place): logits and the resulting pools equal those of writing inside the pass, and
+    the compiled speculative loop copies no pool."""
+    import specjax.verify as verify_mod
+
+    b, per_seq = 2, 6
+    k_pages, v_pages = init_pages(CFG, b * per_seq, PAGE)
+    table = jnp.asarray(np.arange(b * per_seq).reshape(b, per_seq), jnp.int32)
+    cache = PagedKVCache(k_pages, v_pages, table, jnp.zeros((b,), jnp.int32))
+    chunk = jnp.asarray([[3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 0, 0, 0, 0]], jnp.int32)
+    cache, _, _ = prefill(target, CFG, cache, chunk, jnp.asarray([7, 3], jnp.int32))
+    parent = np.array([[-1, 0, 0, 1, 1, 2, 3], [-1, 0, 1, 2, 0, 4, 4]], np.int32)
+    depth = np.zeros_like(parent)
+    for i in range(1, parent.shape[1]):
+        depth[:, i] = depth[np.arange(b), parent[:, i]] + 1
+    valid = np.array([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0]], bool)
+    tree = DraftTree(tokens=jnp.asarray(np.arange(14).reshape(b, 7) % V, jnp.int32),
+                     parent=jnp.asarray(parent), depth=jnp.asarray(depth), valid=jnp.asarray(valid))
+    from specjax.verify import verify_pruned
+
+    run = jax.jit(lambda cache, tree: verify_pruned(target, CFG, cache, tree))
+    got = run(cache, tree)
+    monkeypatch.setattr(verify_mod, "attention_backend", lambda: "written")
+    want = jax.jit(lambda cache, tree: verify_pruned(target, CFG, cache, tree))(cache, tree)
+    monkeypatch.undo()
+    # Same arithmetic, fused differently: equal up to float32 rounding.
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+    for a, w in zip(got[2].k_pages + got[2].v_pages, want[2].k_pages + want[2].v_pages):
+        # (the pool's last page is the write sink: unread, its contents differ)
+        np.testing.assert_allclose(np.asarray(a)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5,
+                                   atol=1e-5)
+
+    proposer = PromptLookupProposer(prompt_lookup_num_tokens=6)
+    state = SpecState(tokens=jnp.zeros((b, 32), jnp.int32), lengths=jnp.asarray([8, 4]),
+                      prompt_lengths=jnp.asarray([8, 4]), done=jnp.zeros((b,), bool),
+                      steps=jnp.zeros((b,), jnp.int32), keys=jnp.zeros((b, 2), jnp.uint32),
+                      cache=cache, features=jnp.zeros((b, CFG.hidden_size)),
+                      proposer_state=None, accepted_hist=jnp.zeros((b, 7), jnp.int32))
+    hlo = spec_loop.lower(target, CFG, proposer, None, SamplingConfig(), state, jnp.int32(4),
+                          jnp.asarray([-1], jnp.int32)).compile().as_text()
+    pool = "f32[" + ",".join(map(str, cache.k_pages[0].shape)) + "]"
+    copies = [line for line in hlo.splitlines() if pool in line and " copy(" in line]
+    assert not copies, copies[:3]
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. Unit tests
 

@@ -30,8 +30,8 @@ def eagle_forward(params, config: ModelConfig, embed, tokens, features, position
     x = x @ params["fc"]["kernel"]
     if "bias" in params["fc"]:
         x = x + params["fc"]["bias"]
-    x, cache, _ = decoder_layers(params["layers"], config, x, positions, cache, tree_mask, valid,
-                                 slots=slots)
+    x, cache, _, _ = decoder_layers(params["layers"], config, x, positions, cache, tree_mask,
+                                    valid, slots=slots)
     return x, cache
 
 
