@@ -29,7 +29,7 @@ def verify(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree, *,
 
 def verify_widths(tree_size: int) -> tuple[int, ...]:
     """The static widths a tree of `tree_size` nodes may be verified at (see verify_pruned)."""
-    return tuple(sorted({1, tree_size} | {w for w in (4, 16, 64) if w < tree_size}))
+    return tuple(sorted({1, tree_size} | {w for w in (4, 8, 16, 64) if w < tree_size}))
 
 
 def _prefix(tree: DraftTree, w: int) -> DraftTree:
