@@ -7,10 +7,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import attention_backend
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.draft_tree import DraftTree, ancestor_mask, tree_positions
-from kernels_pallas import attention_backend
 from specjax.model import ForwardOutput, forward, write_new_kv
 
 

@@ -73,3 +73,28 @@ def test_method_specs_and_prompt_errors(tmp_path):
     good.write_text('{"prompt": "a", "category": "x"}\n')
     with pytest.raises(BenchError, match="no prompts of category y"):
         read_bench_prompts(good, ["y"])
+
+
+def test_forward_cost_benchmark_on_a_tiny_model():
+    """benchmarks/bench_forward_cost.py times every part at every width, relative to width 1."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import jax
+
+    from specjax import ModelConfig, init_params
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_forward_cost.py"
+    spec = importlib.util.spec_from_file_location("bench_forward_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                      eos_token_ids=())
+    model = SimpleNamespace(params=init_params(cfg, jax.random.PRNGKey(0), scale=0.3), config=cfg)
+    rows = mod.measure(model, [1, 4], context=20, iters=2)
+    assert [r["width"] for r in rows] == [1, 4] and rows[0]["cost_vs_width_1"] == 1.0
+    for r in rows:
+        assert all(r[k] > 0 for k in ("forward", "no_head", "mlps", "lm_head"))
+    assert "| 4 |" in mod.markdown(rows, 20)
