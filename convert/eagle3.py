@@ -70,8 +70,8 @@ def read_eagle3(path: Path) -> tuple[ModelConfig, dict, dict]:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     f = config.intermediate_size
 
-    def lin(name, out_dim, in_dim):  # HF [out, in] -> specjax [in, out]
-        return expect(name, get(name), (out_dim, in_dim)).T.copy()
+    def lin(name, out_dim, in_dim):  # [out, in] in both
+        return expect(name, get(name), (out_dim, in_dim))
 
     def vec(name, n):
         return expect(name, get(name), (n,))
@@ -82,18 +82,18 @@ def read_eagle3(path: Path) -> tuple[ModelConfig, dict, dict]:
         "hidden_norm": vec(p + "hidden_norm.weight", d),
         "wqkv": np.concatenate([lin(p + "self_attn.q_proj.weight", q, 2 * d),
                                 lin(p + "self_attn.k_proj.weight", kv, 2 * d),
-                                lin(p + "self_attn.v_proj.weight", kv, 2 * d)], axis=-1),
+                                lin(p + "self_attn.v_proj.weight", kv, 2 * d)], axis=0),
         "wo": lin(p + "self_attn.o_proj.weight", d, q),
         "mlp_norm": vec(p + "post_attention_layernorm.weight", d),
         "w_gate_up": np.concatenate([lin(p + "mlp.gate_proj.weight", f, d),
-                                     lin(p + "mlp.up_proj.weight", f, d)], axis=-1),
+                                     lin(p + "mlp.up_proj.weight", f, d)], axis=0),
         "w_down": lin(p + "mlp.down_proj.weight", d, f),
     }
     if config.attention_bias:
         layer["bqkv"] = np.concatenate([vec(p + "self_attn.q_proj.bias", q),
                                         vec(p + "self_attn.k_proj.bias", kv),
                                         vec(p + "self_attn.v_proj.bias", kv)])
-    fc = {"kernel": lin("fc.weight", d, 3 * dt)}
+    fc = {"kernel": lin("fc.weight", d, 3 * dt).T.copy()}  # flax Dense kernel: [in, out]
     if "fc.bias" in sd:
         fc["bias"] = vec("fc.bias", d)
     params = {"fc": fc, "layers": [layer], "norm": vec("norm.weight", d),

@@ -1,7 +1,7 @@
 """Reading and writing model weights: Hugging Face directories and specjax checkpoints.
 
 A specjax checkpoint is a directory with `specjax.json` (format marker), the model's Hugging Face
-`config.json`, `model.safetensors` in specjax's layout (linear weights [in, out], flat names such
+`config.json`, `model.safetensors` in specjax's layout (linear weights [out, in], flat names such
 as `layers.3.wq`) and the tokenizer files, so it loads without conversion and converts back.
 """
 
@@ -23,17 +23,20 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
 )
 
-# specjax layer key -> HF names under model.layers.{i}. (concatenated along the output axis in
-# this order), and whether HF stores them [out, in] (transposed from specjax's [in, out]).
+# specjax layer key -> HF names under model.layers.{i}. (both store linear weights [out, in]);
+# fused keys concatenate their parts in this order along the output axis.
 _LAYER_KEYS = {
-    "attn_norm": (("input_layernorm.weight",), False),
-    "wqkv": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), True),
-    "bqkv": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), False),
-    "wo": (("self_attn.o_proj.weight",), True),
-    "mlp_norm": (("post_attention_layernorm.weight",), False),
-    "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
-    "w_down": (("mlp.down_proj.weight",), True),
+    "attn_norm": ("input_layernorm.weight",),
+    "wqkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "bqkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "wo": ("self_attn.o_proj.weight",),
+    "mlp_norm": ("post_attention_layernorm.weight",),
+    "w_gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "w_down": ("mlp.down_proj.weight",),
 }
+# Specjax checkpoints up to version 1 stored linear weights [in, out]; loading transposes them.
+FORMAT_VERSION = 2
+LINEAR_KEYS = ("wqkv", "wo", "w_gate_up", "w_down", "wq", "wk", "wv", "w_gate", "w_up")
 
 
 class CheckpointError(ValueError):
@@ -148,22 +151,22 @@ def hf_layer_params(get, expect, prefix: str, config: ModelConfig, input_norm: b
     """
     d, f = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (d, q),
-              "self_attn.k_proj.weight": (d, kv), "self_attn.v_proj.weight": (d, kv),
+    shapes = {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (q, d),
+              "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
               "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-              "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (q, d),
-              "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (d, f),
-              "mlp.up_proj.weight": (d, f), "mlp.down_proj.weight": (f, d)}
+              "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (d, q),
+              "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (f, d),
+              "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
     layer = {}
-    for key, (suffixes, transpose) in _LAYER_KEYS.items():
+    for key, suffixes in _LAYER_KEYS.items():
         if (key == "bqkv" and not config.attention_bias) or (key == "attn_norm" and not input_norm):
             continue
         parts = []
         for suffix in suffixes:
             name = prefix + suffix
             arr = get(name)
-            parts.append(expect(name, arr.T if transpose else arr, shapes[suffix]))
-        layer[key] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+            parts.append(expect(name, arr, shapes[suffix]))
+        layer[key] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     return layer
 
 
@@ -178,11 +181,10 @@ def params_to_hf(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
               "w_gate_up": [config.intermediate_size] * 2}
     for i, layer in enumerate(params["layers"]):
         for key, arr in layer.items():
-            suffixes, transpose = _LAYER_KEYS[key]
             arr = np.asarray(arr)
-            parts = np.split(arr, np.cumsum(widths[key])[:-1], axis=-1) if key in widths else [arr]
-            for suffix, part in zip(suffixes, parts):
-                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(part.T if transpose else part)
+            parts = np.split(arr, np.cumsum(widths[key])[:-1], axis=0) if key in widths else [arr]
+            for suffix, part in zip(_LAYER_KEYS[key], parts):
+                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(part)
     return out
 
 
@@ -194,13 +196,16 @@ def flatten_params(params: dict) -> dict[str, np.ndarray]:
     return flat
 
 
-def unflatten_params(flat: dict[str, np.ndarray], config: ModelConfig) -> dict:
+def unflatten_params(flat: dict[str, np.ndarray], config: ModelConfig,
+                     version: int = FORMAT_VERSION) -> dict:
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
     for name, arr in flat.items():
         if name.startswith("layers."):
             _, i, key = name.split(".", 2)
             if int(i) >= config.num_layers:
                 raise CheckpointError(f"tensor '{name}' beyond num_hidden_layers={config.num_layers}")
+            if version < 2 and key in LINEAR_KEYS:
+                arr = np.ascontiguousarray(arr.T)
             params["layers"][int(i)][key] = arr
         else:
             params[name] = arr
@@ -245,7 +250,8 @@ def save_specjax(out_dir: Path, params: dict, config: ModelConfig, hf_config: di
     tmp = _atomic_dir(out_dir)
     save_file(flatten_params(params), str(tmp / WEIGHTS_FILE))
     (tmp / "config.json").write_text(json.dumps(hf_config or config.to_hf(), indent=2))
-    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": 1, "kind": "model"}))
+    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION,
+                                                  "kind": "model"}))
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), tmp)
     _finish_dir(tmp, out_dir)
@@ -288,8 +294,9 @@ def load_checkpoint(path: Path, dtype=np.float32) -> tuple[dict, ModelConfig, di
         if not weights.exists():
             raise CheckpointError(f"missing weights file {weights}")
         flat = _read_safetensors(weights)
+        version = int(read_json(path / FORMAT_FILE).get("version", 1))
         params = unflatten_params({k: v.astype(dtype) if v.dtype.kind == "f" else v
-                                   for k, v in flat.items()}, config)
+                                   for k, v in flat.items()}, config, version)
     else:
         params = hf_to_params(read_hf_tensors(path), config, dtype)
     return params, config, hf_config

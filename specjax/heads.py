@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from specjax.checkpoint import CheckpointError, FORMAT_FILE, _atomic_dir, _finish_dir, _read_safetensors, read_json
+from specjax.checkpoint import (CheckpointError, FORMAT_FILE, FORMAT_VERSION, LINEAR_KEYS,
+                                _atomic_dir, _finish_dir, _read_safetensors, read_json)
 from specjax.config import ModelConfig
 
 HEADS_FILE = "heads.safetensors"
@@ -26,7 +27,7 @@ def save_heads(out_dir, kind: str, variables: dict, meta: dict) -> Path:
     tmp = _atomic_dir(out_dir)
     flat = {"/".join(k): np.asarray(v) for k, v in flatten_dict(variables).items()}
     save_file(flat, str(tmp / HEADS_FILE))
-    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": 1, "kind": kind,
+    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION, "kind": kind,
                                                **meta}, indent=2))
     _finish_dir(tmp, out_dir)
     return out_dir
@@ -45,6 +46,9 @@ def load_heads(path, kind: str | None = None) -> tuple[dict, dict]:
     if not (path / HEADS_FILE).exists():
         raise CheckpointError(f"missing weights file {path / HEADS_FILE}")
     flat = _read_safetensors(path / HEADS_FILE)
+    if int(meta.get("version", 1)) < 2:  # draft decoder layers stored [in, out] (checkpoint.py)
+        flat = {k: np.ascontiguousarray(v.T) if k.startswith("layers/") and k.split("/")[-1]
+                in LINEAR_KEYS else v for k, v in flat.items()}
     variables = unflatten_dict({tuple(k.split("/")): jnp.asarray(v) for k, v in flat.items()})
     return meta, variables
 

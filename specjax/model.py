@@ -2,10 +2,11 @@
 
 Parameters are a dict with one array per weight and per layer (a list of per-layer dicts): on
 XLA:CPU, stacked [L, ...] weights under `lax.scan` ran at ~60% of the speed (DESIGN.md).
-Linear weights are stored [in, out]; the embedding (and an untied `lm_head`) [vocab, hidden].
-The q/k/v projections are one [hidden, (heads + 2 * kv_heads) * head_dim] matrix and gate/up one
-[hidden, 2 * intermediate] matrix: on XLA:CPU a decode step is a chain of matrix-vector products
-bound by one core's memory stream, and fewer, larger products ran ~7% faster.
+Linear weights are stored [out, in] (as in PyTorch), the embedding (and an untied `lm_head`)
+[vocab, hidden]. The q/k/v projections are one [(heads + 2 * kv_heads) * head_dim, hidden] matrix
+and gate/up one [2 * intermediate, hidden] matrix: on XLA:CPU a decode step is a chain of
+matrix-vector products bound by one core's memory stream, and fewer, larger products ran ~7%
+faster. See `linear` for why [out, in].
 """
 
 from __future__ import annotations
@@ -39,6 +40,21 @@ def rms_norm(x, weight, eps):
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+def linear(x, w):
+    """x [..., in] times a weight stored [out, in] -> [..., out].
+
+    Computed as (w @ x^T)^T: for the few rows of a decode or verify pass (2-16 tokens) XLA:CPU's
+    matrix multiply runs 1.3-1.6x faster with the weight as the tall left operand than as x @ w
+    (benchmarks/bench_forward_cost.py). The barrier keeps XLA from folding the transpose back
+    into the product.
+    """
+    lead = x.shape[:-1]
+    dtype = jnp.result_type(x, w)
+    x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
+    y = jax.lax.dot_general(w.astype(dtype), x2, (((1,), (1,)), ((), ())))
+    return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
+
+
 def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02):
     """Random parameters (tests, benchmarks of shapes)."""
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -48,11 +64,14 @@ def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
     def w(*shape):
         return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
+    def lin(n_in, n_out):  # [out, in]; drawn [in, out] as before, so a seed gives the same model
+        return w(n_in, n_out).T
+
     layers = []
     for _ in range(config.num_layers):
         layer = {
-            "attn_norm": jnp.ones((d,), dtype), "wqkv": w(d, q + 2 * kv), "wo": w(q, d),
-            "mlp_norm": jnp.ones((d,), dtype), "w_gate_up": w(d, 2 * f), "w_down": w(f, d),
+            "attn_norm": jnp.ones((d,), dtype), "wqkv": lin(d, q + 2 * kv), "wo": lin(q, d),
+            "mlp_norm": jnp.ones((d,), dtype), "w_gate_up": lin(d, 2 * f), "w_down": lin(f, d),
         }
         if config.attention_bias:
             layer["bqkv"] = w(q + 2 * kv)
@@ -80,13 +99,13 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     hd = config.head_dim
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
     if "wqkv" in layer:
-        qkv = h @ layer["wqkv"]
+        qkv = linear(h, layer["wqkv"])
         if config.attention_bias:
             qkv = qkv + layer["bqkv"]
         nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
         q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:  # unfused (tensor-parallel layers: each product splits over whole heads, sharding.py)
-        q, k, v = (h @ layer[w] for w in ("wq", "wk", "wv"))
+        q, k, v = (linear(h, layer[w]) for w in ("wq", "wk", "wv"))
         if config.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
@@ -95,7 +114,7 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     if defer_write:  # attend over a gathered copy holding the new rows; the pools stay as they are
         attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, slots, write_ok,
                                     keys_seen)
-        return x + attn.reshape(b, t, -1) @ layer["wo"], k, v
+        return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     # Pallas kernel on GPU, XLA reference elsewhere (kernels_pallas.dispatch). Without a sliding
     # window keys_seen is the mask lengths and tree_mask imply, which the kernel builds itself;
@@ -103,7 +122,7 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     exact = config.sliding_window is None and attention_backend() != "xla"
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
-    return x + attn.reshape(b, t, -1) @ layer["wo"], k_pages, v_pages
+    return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
 
 
 def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, slots, write_ok, keys_seen):
@@ -136,10 +155,10 @@ def write_new_kv(cache: PagedKVCache, new_kv, slots, valid) -> PagedKVCache:
 def _mlp_block(layer, config: ModelConfig, x):
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     if "w_gate_up" in layer:
-        gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+        gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
     else:  # unfused (tensor-parallel layers)
-        gate, up = h @ layer["w_gate"], h @ layer["w_up"]
-    return x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+        gate, up = linear(h, layer["w_gate"]), linear(h, layer["w_up"])
+    return x + linear(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def key_mask(config: ModelConfig, cache: PagedKVCache, positions, tree_mask):

@@ -39,10 +39,10 @@ AXES = ("data", "model")
 POOL_NAMES = ("k_pages", "v_pages")
 # Unfused layer weights: column-parallel (outputs split), row-parallel (inputs split), biases.
 LAYER_SPECS = {
-    "wq": P(None, "model"), "wk": P(None, "model"), "wv": P(None, "model"),
+    "wq": P("model", None), "wk": P("model", None), "wv": P("model", None),
     "bq": P("model"), "bk": P("model"), "bv": P("model"),
-    "w_gate": P(None, "model"), "w_up": P(None, "model"),
-    "wo": P("model", None), "w_down": P("model", None),
+    "w_gate": P("model", None), "w_up": P("model", None),
+    "wo": P(None, "model"), "w_down": P(None, "model"),
 }
 VOCAB_PARALLEL = P("model", None)
 
@@ -102,10 +102,10 @@ def unfuse_layer(layer: dict, config: ModelConfig) -> dict:
         return dict(layer)
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     out = {k: v for k, v in layer.items() if k not in ("wqkv", "bqkv", "w_gate_up")}
-    out["wq"], out["wk"], out["wv"] = np.split(_host(layer["wqkv"]), [q, q + kv], axis=-1)
+    out["wq"], out["wk"], out["wv"] = np.split(_host(layer["wqkv"]), [q, q + kv], axis=0)
     if "bqkv" in layer:
         out["bq"], out["bk"], out["bv"] = np.split(_host(layer["bqkv"]), [q, q + kv], axis=-1)
-    out["w_gate"], out["w_up"] = np.split(_host(layer["w_gate_up"]), 2, axis=-1)
+    out["w_gate"], out["w_up"] = np.split(_host(layer["w_gate_up"]), 2, axis=0)
     return out
 
 

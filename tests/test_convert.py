@@ -77,8 +77,8 @@ def test_round_trip_through_specjax(kind, hf_models, tmp_path, capsys):
     d, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     with safe_open(str(a / "model.safetensors"), "np") as f:
         keys = set(f.keys())
-        # specjax layout: [in, out], q/k/v fused along the output axis.
-        assert f.get_tensor("layers.0.wqkv").shape == (d, d + 2 * kv)
+        # specjax layout: [out, in], q/k/v fused along the output axis.
+        assert f.get_tensor("layers.0.wqkv").shape == (d + 2 * kv, d)
     assert ("lm_head" in keys) == (not KINDS[kind]["tie_word_embeddings"])
     assert ("layers.1.bqkv" in keys) == (kind == "qwen2")
 
@@ -136,6 +136,24 @@ def test_specjax_checkpoint_loads_identically(hf_models, tmp_path):
         assert from_sj.config == from_hf.config
         assert_same_params(from_hf.params, from_sj.params)
         assert from_sj.tokenizer("hi there").input_ids == from_hf.tokenizer("hi there").input_ids
+
+
+def test_version1_specjax_checkpoint_is_transposed_on_load(hf_models, tmp_path):
+    """Checkpoints written before format version 2 hold linear weights [in, out]."""
+    from safetensors.numpy import load_file, save_file
+
+    from specjax.checkpoint import LINEAR_KEYS
+
+    src, _ = hf_models["qwen2"]
+    out = tmp_path / "v1"
+    assert main(["convert", str(src), "--out", str(out)]) == 0
+    flat = load_file(str(out / "model.safetensors"))
+    save_file({k: np.ascontiguousarray(v.T) if k.split(".")[-1] in LINEAR_KEYS else v
+               for k, v in flat.items()}, str(out / "model.safetensors"))
+    marker = json.loads((out / "specjax.json").read_text())
+    assert marker["version"] == 2
+    (out / "specjax.json").write_text(json.dumps({**marker, "version": 1}))
+    assert_same_params(load_model(str(src)).params, load_model(str(out)).params)
 
 
 # --------------------------------------------------------------------------- other HF layouts

@@ -53,6 +53,28 @@ def test_detect_and_convert(eagle_dir, tmp_path):
     assert params["fc"]["kernel"].shape == (2 * D, D)
 
 
+def test_version1_heads_are_transposed_on_load(eagle_dir, tmp_path):
+    """Head checkpoints written before format version 2 hold decoder layers [in, out]."""
+    from safetensors.numpy import load_file, save_file
+
+    from specjax.checkpoint import LINEAR_KEYS
+    from specjax.heads import HEADS_FILE
+
+    out = convert_eagle(eagle_dir[0], tmp_path / "sj")
+    _, want = load_eagle_heads(out)
+    flat = load_file(str(out / HEADS_FILE))
+    assert flat["layers/0/wqkv"].shape[1] == D  # [out, in]
+    save_file({k: np.ascontiguousarray(v.T) if k.split("/")[-1] in LINEAR_KEYS else v
+               for k, v in flat.items()}, str(out / HEADS_FILE))
+    marker = json.loads((out / "specjax.json").read_text())
+    (out / "specjax.json").write_text(json.dumps({**marker, "version": 1}))
+    _, got = load_eagle_heads(out)
+    for k in ("wqkv", "wo", "w_gate_up", "w_down"):
+        np.testing.assert_array_equal(np.asarray(got["layers"][0][k]),
+                                      np.asarray(want["layers"][0][k]))
+    np.testing.assert_array_equal(np.asarray(got["fc"]["kernel"]), np.asarray(want["fc"]["kernel"]))
+
+
 def test_forward_matches_pytorch(eagle_dir, tmp_path):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

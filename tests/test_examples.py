@@ -109,7 +109,7 @@ def test_convert_hf_example(tmp_path):
 def test_sharded_example(cli_eagle2):
     out = run(sys.executable, EXAMPLES / "sharded.py")
     assert "devices=8 mesh={'data': 2, 'model': 3}" in out
-    assert "P(None, 'model'), (576, 192) per device" in out  # q columns split 3 ways
+    assert "P('model', None), (192, 576) per device" in out  # q rows (outputs) split 3 ways
     answers = dict(tuple(map(ast.literal_eval, l[len("[mesh] "):].split(" -> ", 1)))
                    for l in out.splitlines() if l.startswith("[mesh] ") and " -> " in l)
     assert len(answers) == 2 and all(a.strip() for a in answers.values())

@@ -188,12 +188,12 @@ def test_weights_and_pools_are_split(runs):
     shards = runs[0]["shards"]  # tp = 4
     col = ["layers.0.wq", "layers.0.wk", "layers.0.wv", "layers.0.w_gate", "layers.0.w_up",
            "eagle.wq"]
-    for name in col:
-        (d, n), parts = shards[name]
-        assert len(parts) == 4 and all(p == [d, n // 4] for p in parts), name
-    for name in ("layers.0.wo", "layers.0.w_down", "embed"):
-        (m, d), parts = shards[name]
-        assert len(parts) == 4 and all(p == [m // 4, d] for p in parts), name
+    for name in col + ["embed"]:  # [out, in] (embed [vocab, D]): outputs split
+        (n, d), parts = shards[name]
+        assert len(parts) == 4 and all(p == [n // 4, d] for p in parts), name
+    for name in ("layers.0.wo", "layers.0.w_down"):  # inputs split
+        (d, m), parts = shards[name]
+        assert len(parts) == 4 and all(p == [d, m // 4] for p in parts), name
     for name in ("k_pages.0", "eagle.k_pages.0"):  # [KVH, pages, page, D] over KV heads
         shape, parts = shards[name]
         assert all(p == [shape[0] // 4] + shape[1:] for p in parts), name

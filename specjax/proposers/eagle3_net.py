@@ -22,7 +22,7 @@ import numpy as np
 from kernels_pallas import attention_backend, paged_attention, write_paged_kv
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import _mlp_block, key_mask, rms_norm
+from specjax.model import _mlp_block, key_mask, linear, rms_norm
 from specjax.rope import apply_rope, rope_cos_sin
 
 KIND = "eagle3"
@@ -56,7 +56,7 @@ def _midlayer(layer, config: ModelConfig, emb, h, cos, sin, k_pages, v_pages, ca
     hd, eps = config.head_dim, config.rms_norm_eps
     qkv_in = jnp.concatenate([rms_norm(emb, layer["attn_norm"], eps),
                               rms_norm(h, layer["hidden_norm"], eps)], axis=-1)
-    qkv = qkv_in @ layer["wqkv"]
+    qkv = linear(qkv_in, layer["wqkv"])
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
@@ -68,7 +68,7 @@ def _midlayer(layer, config: ModelConfig, emb, h, cos, sin, k_pages, v_pages, ca
     exact = config.sliding_window is None and attention_backend() != "xla"
     attn = paged_attention(q, k_pages, v_pages, cache.block_tables, cache.lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
-    x = h + attn.reshape(b, t, -1) @ layer["wo"]
+    x = h + linear(attn.reshape(b, t, -1), layer["wo"])
     return _mlp_block(layer, config, x), k_pages, v_pages
 
 
@@ -157,8 +157,9 @@ def init_eagle3_params(key, target_config: ModelConfig, draft_vocab_size: int,
         return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
     ones = jnp.ones((d,), dtype)
-    layer = {"attn_norm": ones, "hidden_norm": ones, "wqkv": w(2 * d, q + 2 * kv), "wo": w(q, d),
-             "mlp_norm": ones, "w_gate_up": w(d, 2 * f), "w_down": w(f, d)}
+    # Linear weights [out, in], drawn [in, out] as before so a seed gives the same head.
+    layer = {"attn_norm": ones, "hidden_norm": ones, "wqkv": w(2 * d, q + 2 * kv).T,
+             "wo": w(q, d).T, "mlp_norm": ones, "w_gate_up": w(d, 2 * f).T, "w_down": w(f, d).T}
     params = {"fc": {"kernel": w(3 * d, d)}, "layers": [layer], "norm": ones,
               "lm_head": w(draft_vocab_size, d),
               "d2t": jnp.asarray(d2t_from_counts(token_counts, config.vocab_size,
