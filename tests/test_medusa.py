@@ -58,6 +58,30 @@ def test_greedy_equals_vanilla(target, own_lm_head):
     assert all(s <= 24 for s in spec.steps)
 
 
+def test_shallow_tree_runs_only_the_heads_it_reaches():
+    """A depth-2 tree over 4 heads drafts what all 4 heads' top-k gives at depths 1 and 2."""
+    from specjax.spec_decode import SpecContext
+
+    proposer = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size,
+                              medusa_choices=((0,), (1,), (0, 0), (0, 1)))
+    heads = proposer.init_params(jax.random.PRNGKey(1), CFG.hidden_size)
+    heads = jax.tree_util.tree_map(
+        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), heads)
+    hidden = jax.random.normal(jax.random.PRNGKey(2), (2, CFG.hidden_size))
+    tokens = jnp.array([[4, 5, 6], [7, 8, 0]], jnp.int32)
+    ctx = SpecContext(tokens, jnp.array([3, 2]), None, hidden)
+    tree, _ = proposer.propose({"heads": heads}, (), ctx, None, None)
+    top = np.asarray(jax.lax.top_k(proposer.heads.apply(heads, hidden), 2)[1])  # [B, 4, 2]
+    want = np.stack([[6, t[0, 0], t[0, 1], t[1, 0], t[1, 1]] for t in top])
+    want[1, 0] = 8
+    np.testing.assert_array_equal(np.asarray(tree.tokens), want)
+    jaxpr = jax.make_jaxpr(lambda h: proposer.propose(
+        {"heads": heads}, (), SpecContext(tokens, ctx.lengths, None, h), None, None)[0])(hidden)
+    vocab_products = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"
+                      and e.outvars[0].aval.shape[-1] == CFG.vocab_size]
+    assert len(vocab_products) == 2  # heads 0 and 1 only
+
+
 def test_oracle_heads_accept_whole_paths(target):
     """Heads that see the future (shared lm_head on a repeating model) reach deep nodes."""
     proposer = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False,

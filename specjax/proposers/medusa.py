@@ -145,10 +145,14 @@ class MedusaProposer:
         """params: {"heads": flax variables, "lm_head": [V, D] when the heads share the base's}."""
         parent, depth, rank = (jnp.asarray(a) for a in static_tree(self.medusa_choices))
         b = ctx.tokens.shape[0]
-        logits = self.heads.apply(params["heads"], ctx.hidden.astype(jnp.float32),
-                                  params.get("lm_head"))  # [B, H, V]
-        top = jax.lax.top_k(logits, self.top_k)[1].astype(jnp.int32)  # [B, H, K]
-        head = jnp.clip(depth - 1, 0, self.num_heads - 1)
+        # Only the heads the tree reaches run (each ends in a [V, D] projection, a large part of
+        # a CPU step); flax ignores the variables of the others.
+        used = max(len(p) for p in self.medusa_choices)
+        heads = MedusaHeads(used, self.num_layers, self.vocab_size, self.own_lm_head)
+        logits = heads.apply(params["heads"], ctx.hidden.astype(jnp.float32),
+                             params.get("lm_head"))  # [B, used, V]
+        top = jax.lax.top_k(logits, self.top_k)[1].astype(jnp.int32)  # [B, used, K]
+        head = jnp.clip(depth - 1, 0, used - 1)
         drafted = top[:, head, rank]  # [B, T]
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
         tokens = drafted.at[:, 0].set(pending)
