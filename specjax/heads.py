@@ -27,8 +27,8 @@ def save_heads(out_dir, kind: str, variables: dict, meta: dict) -> Path:
     tmp = _atomic_dir(out_dir)
     flat = {"/".join(k): np.asarray(v) for k, v in flatten_dict(variables).items()}
     save_file(flat, str(tmp / HEADS_FILE))
-    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION, "kind": kind,
-                                               **meta}, indent=2))
+    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION,
+                                               "kind": kind, **meta}, indent=2))
     _finish_dir(tmp, out_dir)
     return out_dir
 

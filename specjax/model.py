@@ -45,8 +45,8 @@ def linear(x, w):
 
     Computed as (w @ x^T)^T: for the few rows of a decode or verify pass (2-16 tokens) XLA:CPU's
     matrix multiply runs 1.3-1.6x faster with the weight as the tall left operand than as x @ w
-    (benchmarks/bench_forward_cost.py). The barrier keeps XLA from folding the transpose back
-    into the product.
+    (README, Design notes; benchmarks/bench_forward_cost.py times whole passes). The barrier
+    keeps XLA from folding the transpose back into the product.
     """
     lead = x.shape[:-1]
     dtype = jnp.result_type(x, w)
