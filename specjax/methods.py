@@ -227,5 +227,15 @@ def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshol
                               posterior_threshold=posterior_threshold,
                               posterior_alpha=posterior_alpha)
     dtype = target.params["embed"].dtype
+    variables = dict(variables)
+    ids = variables.pop("draft_ids", None)
     variables = jax.tree_util.tree_map(lambda a: a.astype(dtype), variables)
-    return proposer, {"heads": variables, "lm_head": lm_head_weight(target.params)}
+    params = {"heads": variables, "lm_head": lm_head_weight(target.params)}
+    if ids is not None and not proposer.own_lm_head:  # draft from frequent tokens' rows only
+        from specjax.proposers.eagle_net import draft_vocabulary
+
+        if ids.shape[0] < proposer.top_k:
+            raise MethodError(f"{heads} drafts from {ids.shape[0]} tokens, fewer than the "
+                              f"tree's top-{proposer.top_k}")
+        params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids, None)
+    return proposer, params

@@ -82,6 +82,46 @@ def test_shallow_tree_runs_only_the_heads_it_reaches():
     assert len(vocab_products) == 2  # heads 0 and 1 only
 
 
+def test_shared_lm_head_read_once_and_draft_vocabulary(target):
+    """Heads sharing the base's lm_head go through it in one product (all heads' rows at once);
+    with draft_ids the heads score only those rows and draft their target ids, losslessly."""
+    from specjax.proposers.eagle_net import draft_vocabulary
+    from specjax.spec_decode import SpecContext
+
+    proposer = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False,
+                              medusa_choices=((0,), (1,), (0, 0), (0, 1)))
+    lm_head = lm_head_weight(target)
+    heads = proposer.init_params(jax.random.PRNGKey(1), CFG.hidden_size, lm_head)
+    heads = jax.tree_util.tree_map(
+        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), heads)
+    hidden = jax.random.normal(jax.random.PRNGKey(2), (2, CFG.hidden_size))
+    ctx = SpecContext(jnp.array([[4, 5, 6], [7, 8, 0]], jnp.int32), jnp.array([3, 2]), None,
+                      hidden)
+    jaxpr = jax.make_jaxpr(lambda h: proposer.propose(
+        {"heads": heads, "lm_head": lm_head}, (), SpecContext(ctx.tokens, ctx.lengths, None, h), None, None)[0])(hidden)
+    products = [e.outvars[0].aval.shape for e in jaxpr.jaxpr.eqns
+                if e.primitive.name == "dot_general" and CFG.vocab_size in e.outvars[0].aval.shape]
+    assert products == [(CFG.vocab_size, 2 * 2)]  # one product: 2 sequences x heads 0 and 1
+
+    # Draft vocabulary: the 16 ids below, scored through their rows only.
+    ids = jnp.asarray(np.random.default_rng(0).permutation(CFG.vocab_size)[:16], jnp.int32)
+    rows, ids = draft_vocabulary(lm_head, ids, None)
+    tree, _ = proposer.propose({"heads": heads, "lm_head": rows, "draft_ids": ids}, (), ctx,
+                               None, None)
+    logits = proposer.heads.apply(heads, hidden, lm_head)[:, :2]  # [B, 2 heads, V]
+    masked = jnp.full_like(logits, -jnp.inf).at[..., ids].set(logits[..., ids])
+    top = np.asarray(jax.lax.top_k(masked, 2)[1])
+    want = np.stack([[0, t[0, 0], t[0, 1], t[1, 0], t[1, 1]] for t in top])
+    np.testing.assert_array_equal(np.asarray(tree.tokens)[:, 1:], want[:, 1:])
+    assert set(np.asarray(tree.tokens)[:, 1:].ravel()) <= set(np.asarray(ids).tolist())
+
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(PROMPTS, 24, eos_token_ids=())
+    spec = eng.generate(PROMPTS, 24, eos_token_ids=(), proposer=proposer,
+                        proposer_params={"heads": heads, "lm_head": rows, "draft_ids": ids})
+    assert spec.token_ids == vanilla.token_ids
+
+
 def test_oracle_heads_accept_whole_paths(target):
     """Heads that see the future (shared lm_head on a repeating model) reach deep nodes."""
     proposer = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False,

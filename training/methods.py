@@ -112,10 +112,17 @@ class MedusaMethod(TrainMethod):
         logits = self.logits(params, frozen["base"], config, feats)
         return losses.medusa_loss(logits, batch["tokens"], mask, self.decay, pos, ok)
 
+    def constants(self, store, config, init_heads=None):
+        if self.own_lm_head:
+            return {}
+        return {"draft_ids": frequent_answer_tokens(store, config.vocab_size)}
+
     def export(self, params, frozen, config):
         meta = {"num_heads": self.num_heads, "num_layers": self.num_layers,
                 "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
                 "own_lm_head": self.own_lm_head}
+        if "draft_ids" in frozen:
+            params = {**params, "draft_ids": np.asarray(frozen["draft_ids"], np.int32)}
         return params, meta
 
     def params_from_heads(self, path, config):
@@ -128,6 +135,7 @@ class MedusaMethod(TrainMethod):
         if got != want:
             raise ValueError(f"{path} holds Medusa heads (num_heads, num_layers, own_lm_head) = "
                              f"{got}, the run asks for {want}")
+        variables = {k: v for k, v in variables.items() if k != "draft_ids"}  # from the data
         return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), variables)
 
     def proposer(self, heads_dir, model, **options):
@@ -200,17 +208,7 @@ class EagleMethod(TrainMethod):
                                  mask, self.v_w, self.p_w, pos, ok)
 
     def constants(self, store, config, init_heads=None):
-        """The answer tokens seen in training, most frequent first (at most DRAFT_VOCAB_CAP):
-        exported as `draft_ids` so decoding can draft from those lm_head rows only (FR-Spec)."""
-        counts = np.zeros(config.vocab_size, np.int64)
-        for i in range(len(store)):
-            s = store.sequence(i)
-            np.add.at(counts, np.asarray(s["tokens"])[np.asarray(s["mask"])], 1)
-        seen = int(np.count_nonzero(counts))
-        # Never fewer than 64 rows (trees take up to top-k ranks): unseen tokens fill up, by id.
-        n = min(config.vocab_size, max(64, min(seen, EAGLE_DRAFT_VOCAB_CAP)))
-        ids = np.argsort(-counts, kind="stable")[:n]
-        return {"draft_ids": jnp.asarray(ids.astype(np.int32))}
+        return {"draft_ids": frequent_answer_tokens(store, config.vocab_size)}
 
     def export(self, params, frozen, config):
         variables = {"fc": params["fc"],
@@ -256,8 +254,22 @@ class EagleMethod(TrainMethod):
         return proposer, pparams
 
 
-# Most frequent answer tokens an EAGLE-1/2 head records for frequency-ranked drafting.
-EAGLE_DRAFT_VOCAB_CAP = 8192
+# Most frequent answer tokens an EAGLE-1/2 or Medusa head records for frequency-ranked drafting.
+DRAFT_VOCAB_CAP = 8192
+
+
+def frequent_answer_tokens(store, vocab_size: int, cap: int = DRAFT_VOCAB_CAP):
+    """The answer tokens seen in training, most frequent first (at most `cap`): exported as
+    `draft_ids` so decoding can draft from those lm_head rows only (FR-Spec)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for i in range(len(store)):
+        s = store.sequence(i)
+        np.add.at(counts, np.asarray(s["tokens"])[np.asarray(s["mask"])], 1)
+    seen = int(np.count_nonzero(counts))
+    # Never fewer than 64 rows (trees take up to top-k ranks): unseen tokens fill up, by id.
+    n = min(vocab_size, max(64, min(seen, cap)))
+    ids = np.argsort(-counts, kind="stable")[:n]
+    return jnp.asarray(ids.astype(np.int32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.draft_tree import DraftTree, static_tree
+from specjax.model import linear
 
 # FasterDecoding/Medusa's default tree for 7B models: 63 nodes, depth 4, ranks up to 9.
 MC_SIM_7B_63 = (
@@ -60,16 +61,22 @@ class MedusaHead(nn.Module):
     own_lm_head: bool = True
 
     @nn.compact
-    def __call__(self, x, base_lm_head=None):
+    def __call__(self, x):
+        """Logits with its own projection, else the hidden state for the shared one."""
         for _ in range(self.num_layers):
             x = ResBlock(x.shape[-1])(x)
         if self.own_lm_head:
             return nn.Dense(self.vocab_size, use_bias=False)(x)
-        return jnp.einsum("...d,vd->...v", x, base_lm_head)
+        return x
 
 
 class MedusaHeads(nn.Module):
-    """All heads: features [B, D] -> logits [B, num_heads, V]."""
+    """All heads: features [B, D] -> logits [B, num_heads, V].
+
+    Heads sharing the base's `lm_head` [V', D] (V' = V, or the rows of a draft vocabulary) go
+    through it in one product: the weight is read once for all heads, which is what a
+    memory-bound CPU or GPU step pays for.
+    """
 
     num_heads: int = 4
     num_layers: int = 1
@@ -78,9 +85,12 @@ class MedusaHeads(nn.Module):
 
     @nn.compact
     def __call__(self, features, base_lm_head=None):
-        return jnp.stack([MedusaHead(self.num_layers, self.vocab_size, self.own_lm_head,
-                                     name=f"head_{k}")(features, base_lm_head)
-                          for k in range(self.num_heads)], axis=1)
+        out = jnp.stack([MedusaHead(self.num_layers, self.vocab_size, self.own_lm_head,
+                                    name=f"head_{k}")(features)
+                         for k in range(self.num_heads)], axis=-2)
+        if self.own_lm_head:
+            return out
+        return linear(out, base_lm_head.astype(out.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +152,8 @@ class MedusaProposer:
         return ()
 
     def propose(self, params, state, ctx, keys, sampling):
-        """params: {"heads": flax variables, "lm_head": [V, D] when the heads share the base's}."""
+        """params: {"heads": flax variables, "lm_head": [V, D] when the heads share the base's,
+        or its rows of frequent tokens with "draft_ids" [V'] their target ids}."""
         parent, depth, rank = (jnp.asarray(a) for a in static_tree(self.medusa_choices))
         b = ctx.tokens.shape[0]
         # Only the heads the tree reaches run (each ends in a [V, D] projection, a large part of
@@ -152,6 +163,8 @@ class MedusaProposer:
         logits = heads.apply(params["heads"], ctx.hidden.astype(jnp.float32),
                              params.get("lm_head"))  # [B, used, V]
         top = jax.lax.top_k(logits, self.top_k)[1].astype(jnp.int32)  # [B, used, K]
+        if "draft_ids" in params:  # lm_head holds only these target ids' rows
+            top = params["draft_ids"][top]
         head = jnp.clip(depth - 1, 0, used - 1)
         drafted = top[:, head, rank]  # [B, T]
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
