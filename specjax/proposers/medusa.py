@@ -90,7 +90,10 @@ class MedusaHeads(nn.Module):
                          for k in range(self.num_heads)], axis=-2)
         if self.own_lm_head:
             return out
-        return linear(out, base_lm_head.astype(out.dtype))
+        w = base_lm_head.astype(out.dtype)
+        if out.size // out.shape[-1] <= 16:  # a decode step's few rows (model.linear)
+            return linear(out, w)
+        return jnp.einsum("...d,vd->...v", out, w)  # training batches
 
 
 @dataclasses.dataclass(frozen=True)
