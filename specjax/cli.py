@@ -51,8 +51,9 @@ def _add_generate(sub):
     md = p.add_argument_group("medusa")
     md.add_argument("--heads", default=None, help="draft-head checkpoint (specjax format)")
     md.add_argument("--medusa-choices", default=None,
-                    help="tree as JSON paths of top-k ranks, e.g. '[[0], [0, 0], [1]]' "
-                         "(default mc_sim_7b_63); leaf paths alone are completed")
+                    help="tree as JSON paths of top-k ranks, e.g. '[[0], [0, 0], [1]]', or "
+                         "mc_sim_7b_63 (Medusa's 63-node tree); leaf paths alone are completed "
+                         "(default: the heads' decoding_defaults, else mc_sim_7b_63)")
     md.add_argument("--posterior-threshold", type=float, default=None,
                     help="typical acceptance (LOSSY: output no longer follows the model's "
                          "distribution; Medusa uses 0.09); sampling only")
@@ -190,6 +191,8 @@ def parse_lookahead(text: str) -> tuple[int, int, int]:
 def _parse_choices(text, flag: str = "--medusa-choices"):
     if text is None:
         return None
+    if flag == "--medusa-choices" and text.strip().lower() == "mc_sim_7b_63":
+        return "mc_sim_7b_63"  # Medusa's named 63-node tree
     try:
         choices = json.loads(text)
     except json.JSONDecodeError:

@@ -218,6 +218,11 @@ def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshol
     meta, variables = load_heads(heads, "medusa")
     check_compatible(meta, target.config, heads)
     num_heads = int(meta["num_heads"])
+    if isinstance(medusa_choices, str):  # a named tree
+        if medusa_choices.lower() != "mc_sim_7b_63":
+            raise MethodError(f"unknown medusa_choices '{medusa_choices}' (a named tree: "
+                              f"mc_sim_7b_63, or a list of paths)")
+        medusa_choices = None
     if medusa_choices is None:  # the default tree, cut to the heads there are
         medusa_choices = [c for c in MC_SIM_7B_63 if len(c) <= num_heads]
     proposer = MedusaProposer(num_heads=num_heads, num_layers=int(meta["num_layers"]),

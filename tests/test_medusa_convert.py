@@ -73,6 +73,21 @@ def test_generate_with_medusa_heads_equals_vanilla(converted, capsys):
     assert [m["token_ids"] for m in medusa] == [v["token_ids"] for v in vanilla]
 
 
+def test_named_tree(converted):
+    """`mc_sim_7b_63` names Medusa's tree (cut to the heads there are); other names are refused."""
+    from specjax.loading import load_model
+    from specjax.methods import MethodError, make_proposer
+    from specjax.proposers.medusa import MC_SIM_7B_63
+
+    d, _, root = converted
+    model = load_model(str(d))
+    proposer, _ = make_proposer("medusa", model, heads=str(root / "sj"),
+                                medusa_choices="mc_sim_7b_63")
+    assert proposer.tree_size == 1 + sum(len(c) <= 3 for c in MC_SIM_7B_63)
+    with pytest.raises(MethodError, match="unknown medusa_choices 'mc_sim_7b_64'"):
+        make_proposer("medusa", model, heads=str(root / "sj"), medusa_choices="mc_sim_7b_64")
+
+
 @pytest.mark.parametrize("case,words", [("no-heads", ["--heads"]), ("wrong-hidden", ["hidden_size"]),
                                         ("model-dir", ["not draft heads"]),
                                         ("bad-choices", ["medusa-choices"]),
