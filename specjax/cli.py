@@ -191,8 +191,10 @@ def parse_lookahead(text: str) -> tuple[int, int, int]:
 def _parse_choices(text, flag: str = "--medusa-choices"):
     if text is None:
         return None
-    if flag == "--medusa-choices" and text.strip().lower() == "mc_sim_7b_63":
-        return "mc_sim_7b_63"  # Medusa's named 63-node tree
+    from specjax.proposers.medusa import MEDUSA_TREES
+
+    if flag == "--medusa-choices" and text.strip().lower() in MEDUSA_TREES:
+        return text.strip().lower()  # a named tree
     try:
         choices = json.loads(text)
     except json.JSONDecodeError:

@@ -211,18 +211,18 @@ def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshol
             posterior_alpha):
     from specjax.heads import check_compatible, load_heads
     from specjax.model import lm_head_weight
-    from specjax.proposers.medusa import MC_SIM_7B_63, MedusaProposer
+    from specjax.proposers.medusa import MC_SIM_7B_63, MEDUSA_TREES, MedusaProposer
 
     if heads is None:
         raise MethodError("--method medusa needs --heads PATH (a specjax Medusa head checkpoint)")
     meta, variables = load_heads(heads, "medusa")
     check_compatible(meta, target.config, heads)
     num_heads = int(meta["num_heads"])
-    if isinstance(medusa_choices, str):  # a named tree
-        if medusa_choices.lower() != "mc_sim_7b_63":
+    if isinstance(medusa_choices, str):  # a named tree, cut to the heads there are
+        if medusa_choices.lower() not in MEDUSA_TREES:
             raise MethodError(f"unknown medusa_choices '{medusa_choices}' (a named tree: "
-                              f"mc_sim_7b_63, or a list of paths)")
-        medusa_choices = None
+                              f"{', '.join(MEDUSA_TREES)}, or a list of paths)")
+        medusa_choices = [c for c in MEDUSA_TREES[medusa_choices.lower()] if len(c) <= num_heads]
     if medusa_choices is None:  # the default tree, cut to the heads there are
         medusa_choices = [c for c in MC_SIM_7B_63 if len(c) <= num_heads]
     proposer = MedusaProposer(num_heads=num_heads, num_layers=int(meta["num_layers"]),

@@ -98,7 +98,8 @@ def test_shared_lm_head_read_once_and_draft_vocabulary(target):
     ctx = SpecContext(jnp.array([[4, 5, 6], [7, 8, 0]], jnp.int32), jnp.array([3, 2]), None,
                       hidden)
     jaxpr = jax.make_jaxpr(lambda h: proposer.propose(
-        {"heads": heads, "lm_head": lm_head}, (), SpecContext(ctx.tokens, ctx.lengths, None, h), None, None)[0])(hidden)
+        {"heads": heads, "lm_head": lm_head}, (), SpecContext(ctx.tokens, ctx.lengths, None, h),
+        None, None)[0])(hidden)
     products = [e.outvars[0].aval.shape for e in jaxpr.jaxpr.eqns
                 if e.primitive.name == "dot_general" and CFG.vocab_size in e.outvars[0].aval.shape]
     assert products == [(CFG.vocab_size, 2 * 2)]  # one product: 2 sequences x heads 0 and 1

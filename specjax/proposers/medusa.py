@@ -31,6 +31,8 @@ MC_SIM_7B_63 = (
     (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
     (0, 0, 0, 1), (1, 6), (0, 7, 0),
 )
+# Trees `medusa_choices` may name (`--medusa-choices mc_sim_7b_63`).
+MEDUSA_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
 
 
 def expand_choices(choices: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -90,10 +92,9 @@ class MedusaHeads(nn.Module):
                          for k in range(self.num_heads)], axis=-2)
         if self.own_lm_head:
             return out
-        w = base_lm_head.astype(out.dtype)
         if out.size // out.shape[-1] <= 16:  # a decode step's few rows (model.linear)
-            return linear(out, w)
-        return jnp.einsum("...d,vd->...v", out, w)  # training batches
+            return linear(out, base_lm_head)
+        return jnp.einsum("...d,vd->...v", out, base_lm_head)  # training batches
 
 
 @dataclasses.dataclass(frozen=True)
