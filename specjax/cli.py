@@ -74,6 +74,11 @@ def _add_generate(sub):
     e.add_argument("--eagle-top-k", type=int, default=None,
                    help="EAGLE-2/3: children per expanded node and nodes expanded per depth "
                         "(default 8)")
+    e.add_argument("--min-draft-prob", type=float, default=None,
+                   help="medusa and eagle methods: verify only drafted nodes whose cumulative "
+                        "draft probability is at least this (0: all; default: the heads' "
+                        "decoding_defaults, else 0); steps with unlikely drafts run narrower, "
+                        "down to a plain decode step")
     r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
     r.add_argument("--redrafter-num-beams", type=int, default=None,
                    help="beams drafted per step (default: the heads' recommendation, else 5)")
@@ -250,7 +255,7 @@ def cmd_generate(args) -> int:
         eagle_choices=_parse_choices(args.eagle_choices, "--eagle-choices"),
         eagle_total_tokens=args.eagle_total_tokens, eagle_depth=args.eagle_depth,
         eagle_top_k=args.eagle_top_k, eagle_draft_vocab=args.eagle_draft_vocab,
-        redrafter_num_beams=args.redrafter_num_beams,
+        min_draft_prob=args.min_draft_prob, redrafter_num_beams=args.redrafter_num_beams,
         redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
         redrafter_greedy_search=not args.redrafter_no_greedy_search,
         redrafter_warp_top_k=args.redrafter_warp_top_k or None, lookahead=args.lookahead_wng)

@@ -54,6 +54,7 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   posterior_alpha: float = 0.3, eagle_choices=None,
                   eagle_total_tokens: int | None = None, eagle_depth: int | None = None,
                   eagle_top_k: int | None = None, eagle_draft_vocab: int | None = None,
+                  min_draft_prob: float | None = None,
                   redrafter_num_beams: int | None = None,
                   redrafter_draft_len_per_beam: int | None = None,
                   redrafter_greedy_search: bool = True,
@@ -67,6 +68,12 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     Head methods: options left None take the head checkpoint's `decoding_defaults` for the
     method (the tree sizes its model card recommends), else the method's own defaults.
     """
+    if min_draft_prob is not None:
+        if method not in ("medusa", "eagle", "eagle2", "eagle3"):
+            raise MethodError(f"--min-draft-prob applies to medusa and the eagle methods, "
+                              f"not {method}")
+        if not 0.0 <= min_draft_prob <= 1.0:
+            raise MethodError(f"--min-draft-prob must be in [0, 1], got {min_draft_prob}")
     if method == "vanilla":
         return None, None
     if heads is None and method in HEAD_KINDS:
@@ -76,7 +83,7 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
         given = dict(medusa_choices=medusa_choices, eagle_choices=eagle_choices,
                      eagle_total_tokens=eagle_total_tokens, eagle_depth=eagle_depth,
                      eagle_top_k=eagle_top_k, eagle_draft_vocab=eagle_draft_vocab,
-                     redrafter_num_beams=redrafter_num_beams,
+                     min_draft_prob=min_draft_prob, redrafter_num_beams=redrafter_num_beams,
                      redrafter_draft_len_per_beam=redrafter_draft_len_per_beam)
         filled = {k: v for k, v in heads_decoding_defaults(heads, method).items()
                   if k in given and given[k] is None}
@@ -106,11 +113,12 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
         return (DraftModelProposer(self_draft_config(target.config, n), max_draft_len, use_logits),
                 self_draft_params(target.params, n))
     if method == "medusa":
-        return _medusa(target, heads, medusa_choices, posterior_threshold, posterior_alpha)
+        return _medusa(target, heads, medusa_choices, posterior_threshold, posterior_alpha,
+                       min_draft_prob)
     if method in ("eagle", "eagle2", "eagle3"):
         return _eagle(target, method, heads, eagle_choices,
                       {"total_tokens": eagle_total_tokens, "depth": eagle_depth,
-                       "top_k": eagle_top_k}, eagle_draft_vocab)
+                       "top_k": eagle_top_k}, eagle_draft_vocab, min_draft_prob)
     if method == "lookahead":
         return _lookahead(target, lookahead), None
     if method == "redrafter":
@@ -148,9 +156,9 @@ def _lookahead(target: Model, wng):
 
 
 def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_options: dict,
-           draft_vocab: int | None = None):
+           draft_vocab: int | None = None, min_prob: float | None = None):
     """EAGLE-1 (static tree, `eagle_choices`), EAGLE-2 (dynamic tree) over EAGLE heads, or
-    EAGLE-3 (dynamic tree) over EAGLE-3 heads."""
+    EAGLE-3 (dynamic tree) over EAGLE-3 heads; min_prob: the draft-confidence floor."""
     from specjax.model import lm_head_weight
     from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
 
@@ -189,14 +197,17 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
         except ValueError as e:
             raise MethodError(str(e)) from None
     given = {k: v for k, v in tree_options.items() if v is not None}
+    if min_prob is not None:
+        network["min_prob"] = float(min_prob)
     try:
         if method == "eagle":
             if given:
                 raise MethodError("--eagle-total-tokens/--eagle-depth/--eagle-top-k are "
                                   "EAGLE-2 options; EAGLE-1 takes --eagle-choices")
             if eagle_choices is None:
-                return EagleTreeProposer(config), params
-            return EagleTreeProposer(config, eagle_choices=tuple(map(tuple, eagle_choices))), params
+                return EagleTreeProposer(config, **network), params
+            return EagleTreeProposer(config, eagle_choices=tuple(map(tuple, eagle_choices)),
+                                     **network), params
         if eagle_choices is not None:
             raise MethodError(f"--eagle-choices is an EAGLE-1 option (eagle); {method} builds "
                               "its tree from --eagle-total-tokens/--eagle-depth/--eagle-top-k")
@@ -208,7 +219,7 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
 
 
 def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshold,
-            posterior_alpha):
+            posterior_alpha, min_prob: float | None = None):
     from specjax.heads import check_compatible, load_heads
     from specjax.model import lm_head_weight
     from specjax.proposers.medusa import MC_SIM_7B_63, MEDUSA_TREES, MedusaProposer
@@ -230,7 +241,7 @@ def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshol
                               medusa_choices=tuple(map(tuple, medusa_choices)),
                               own_lm_head=bool(meta.get("own_lm_head", True)),
                               posterior_threshold=posterior_threshold,
-                              posterior_alpha=posterior_alpha)
+                              posterior_alpha=posterior_alpha, min_prob=min_prob or 0.0)
     dtype = target.params["embed"].dtype
     variables = dict(variables)
     ids = variables.pop("draft_ids", None)

@@ -270,6 +270,15 @@ def test_error_bad_option(capsys, model_dir, flag, value, word):
         assert value in msg
 
 
+@pytest.mark.parametrize("method,value,words", [
+    ("pld", "0.5", ("--min-draft-prob", "medusa", "pld")),
+    ("eagle2", "1.5", ("--min-draft-prob", "[0, 1]", "1.5")),
+])
+def test_error_min_draft_prob(capsys, model_dir, method, value, words):
+    assert_error(capsys, "generate", "--model", model_dir, "--prompt", "hi", "--method", method,
+                 "--min-draft-prob", value, words=words)
+
+
 def test_error_missing_prompts_file(capsys, tmp_path, model_dir):
     missing = tmp_path / "nope.jsonl"
     assert_error(capsys, "generate", "--model", model_dir, "--prompts-file", missing,

@@ -287,3 +287,55 @@ def test_frequent_token_draft_vocabulary(target):
     assert spec.token_ids == vanilla.token_ids
     with pytest.raises(ValueError, match="draft vocabulary size"):
         draft_vocabulary(lm_head_weight(target), order, 0)
+
+
+MIN_PROB_PROPOSERS = {
+    "chain": lambda cfg, m: EagleChainProposer(cfg, max_draft_len=4, min_prob=m),
+    "static": lambda cfg, m: EagleTreeProposer(cfg, eagle_choices=((0, 0, 0), (1, 0), (2,)),
+                                               min_prob=m),
+    "dynamic": lambda cfg, m: EagleDynamicProposer(cfg, total_tokens=12, depth=3, top_k=3,
+                                                   min_prob=m),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MIN_PROB_PROPOSERS))
+def test_min_prob_keeps_exactly_the_confident_drafts(target, kind):
+    """With a draft-confidence floor the valid nodes are those of the full tree whose path's
+    cumulative draft probability (recomputed by chain drafting) reaches it; EAGLE-2's are a prefix
+    of its nodes, so the verify pass can run narrower. Output still equals vanilla."""
+    import numpy as np
+
+    draft_cfg, net = random_eagle(jax.random.PRNGKey(11), scale=0.15)
+    pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
+    full = MIN_PROB_PROPOSERS[kind](draft_cfg, 0.0)
+    state, ctx = _draft_state(target, full, pparams, PROMPTS[0])
+    tree0, _ = full.propose(pparams, state, ctx, None, None)
+
+    def score(path):  # cumulative draft log-prob of a drafted path
+        s = 0.0
+        for i, t in enumerate(path):
+            ids, logp = _chain_top(full, pparams, state, ctx, path[:i], CFG.vocab_size)
+            s += logp[ids.index(t)]
+        return s
+
+    scores = {tuple(p): score(p) for i, p in _paths(tree0).items() if i}
+    assert len(scores) == tree0.size - 1
+    floor = float(np.median(list(scores.values())))
+    m = float(np.exp(floor - 1e-3))
+    expected = {p for p, s in scores.items() if s >= floor - 1e-3}
+    assert 0 < len(expected) < len(scores)
+    pruned = MIN_PROB_PROPOSERS[kind](draft_cfg, m)
+    tree, _ = pruned.propose(pparams, state, ctx, None, None)
+    valid = np.asarray(tree.valid[0])
+    assert {tuple(p) for i, p in _paths(tree).items() if i} == expected
+    if kind != "static":
+        assert valid[:len(expected) + 1].all() and not valid[len(expected) + 1:].any()
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
+    for proposer in (pruned, MIN_PROB_PROPOSERS[kind](draft_cfg, 1.0)):
+        spec = eng.generate(PROMPTS, 16, eos_token_ids=(), proposer=proposer,
+                            proposer_params=pparams)
+        assert spec.token_ids == vanilla.token_ids
+    assert spec.steps == [16, 16, 16]  # a floor of 1: nothing drafted, one token per step
+    with pytest.raises(ValueError, match=r"min_prob .* must be in \[0, 1\], got 1.5"):
+        MIN_PROB_PROPOSERS[kind](draft_cfg, 1.5)

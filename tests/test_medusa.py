@@ -123,6 +123,42 @@ def test_shared_lm_head_read_once_and_draft_vocabulary(target):
     assert spec.token_ids == vanilla.token_ids
 
 
+def test_min_prob_keeps_exactly_the_confident_nodes(target):
+    """With a draft-confidence floor a node stays valid iff the product of its path's head
+    probabilities (head d's softmax at the node's rank) reaches it; output equals vanilla."""
+    from specjax.spec_decode import SpecContext
+
+    choices = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    full = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False,
+                          medusa_choices=choices)
+    lm_head = lm_head_weight(target)
+    heads = full.init_params(jax.random.PRNGKey(1), CFG.hidden_size, lm_head)
+    heads = jax.tree_util.tree_map(
+        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), heads)
+    params = {"heads": heads, "lm_head": lm_head}
+    hidden = jax.random.normal(jax.random.PRNGKey(2), (1, CFG.hidden_size))
+    ctx = SpecContext(jnp.array([[4, 5, 6]], jnp.int32), jnp.array([3]), None, hidden)
+    probs = np.asarray(jax.nn.softmax(full.heads.apply(heads, hidden, lm_head)[0], axis=-1))
+    order = np.argsort(-probs, axis=-1)
+    path_prob = {c: np.prod([probs[d, order[d, r]] for d, r in enumerate(c)]) for c in choices}
+    floor = float(np.median(list(path_prob.values())))
+    pruned = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False,
+                            medusa_choices=choices, min_prob=floor * (1 - 1e-4))
+    tree, _ = pruned.propose(params, (), ctx, None, None)
+    nodes = sorted(choices, key=lambda c: (len(c), c))
+    kept = {c for c, ok in zip(nodes, np.asarray(tree.valid)[0, 1:]) if ok}
+    assert kept == {c for c, p in path_prob.items() if p >= floor * (1 - 1e-4)}
+    assert 0 < len(kept) < len(choices)
+
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
+    spec = eng.generate(PROMPTS, 16, eos_token_ids=(), proposer=pruned, proposer_params=params)
+    assert spec.token_ids == vanilla.token_ids
+    with pytest.raises(ValueError, match="must be in \\[0, 1\\], got -0.1"):
+        MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, medusa_choices=choices,
+                       min_prob=-0.1)
+
+
 def test_oracle_heads_accept_whole_paths(target):
     """Heads that see the future (shared lm_head on a repeating model) reach deep nodes."""
     proposer = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False,

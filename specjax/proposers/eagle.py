@@ -14,6 +14,12 @@ are the draft's top tokens, a deterministic function of the context):
   of highest cumulative draft log-probability are expanded by their `top_k` best tokens; at the end
   the `total_tokens - 1` best of all candidates form the tree (SafeAILab/EAGLE's topK_generate).
 
+`min_prob` drops the nodes whose cumulative draft probability is below it: on a
+CPU a verify pass costs more the more tokens it holds (README, verify cost), so a step whose
+drafts are unlikely to pass runs narrower (`verify_pruned`), down to a plain decode step, like
+Hugging Face's `assistant_confidence_threshold`. EAGLE-2 orders its nodes best first, so the kept
+ones are a prefix of the tree.
+
 Tree nodes drafted over several calls sit in draft-cache scratch slots after the committed pairs;
 each call attends to its ancestors there through a mask over those slots.
 `variant` selects the network: "eagle" (EAGLE-1/2: fc over [embedding; feature], the target's
@@ -64,8 +70,12 @@ class _EagleBase:
     feature_layers: tuple = ()  # target layers whose outputs EAGLE-3 fuses ((): final hidden)
     rule: str = "match"
     needs_prompt_features: bool = True
+    min_prob: float = 0.0  # verify only drafts of cumulative draft probability >= this
 
     def __post_init__(self):
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"min_prob (the draft-confidence floor) must be in [0, 1], "
+                             f"got {self.min_prob}")
         if self.variant not in ("eagle", "eagle3"):
             raise ValueError(f"unknown EAGLE variant '{self.variant}' (eagle or eagle3)")
         if self.variant == "eagle3" and len(self.feature_layers) != 3:
@@ -164,7 +174,7 @@ class EagleChainProposer(_EagleBase):
 
     def propose(self, params, state: EagleState, ctx, keys, sampling):
         b = ctx.tokens.shape[0]
-        first = self._top(params, state.next_hidden, 1)[1][:, 0]
+        logp0, first = (x[:, 0] for x in self._top(params, state.next_hidden, 1))
         one = jnp.ones((b, 1), bool)
 
         def step(carry, _):
@@ -172,14 +182,16 @@ class EagleChainProposer(_EagleBase):
             out, cache = self._run_chain(params, cache, tok[:, None], h[:, None], cache.lengths,
                                          one)
             cache = cache.replace(lengths=cache.lengths + 1)
-            nxt = self._top(params, out[:, 0], 1)[1][:, 0]
-            return (cache, out[:, 0], nxt), nxt
+            logp, nxt = (x[:, 0] for x in self._top(params, out[:, 0], 1))
+            return (cache, out[:, 0], nxt), (nxt, logp)
 
-        (cache, _, _), rest = jax.lax.scan(step, (state.cache(ctx.block_tables),
-                                                  state.next_hidden, first), None,
-                                           length=self.max_draft_len - 1)
+        (cache, _, _), (rest, rest_logp) = jax.lax.scan(
+            step, (state.cache(ctx.block_tables), state.next_hidden, first), None,
+            length=self.max_draft_len - 1)
         drafts = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
-        tree = chain(self._pending(ctx), drafts, jnp.full((b,), self.max_draft_len, jnp.int32))
+        score = jnp.cumsum(jnp.concatenate([logp0[:, None], jnp.moveaxis(rest_logp, 0, 1)], 1), 1)
+        num = jnp.sum(score >= jnp.log(jnp.float32(self.min_prob)), axis=1).astype(jnp.int32)
+        tree = chain(self._pending(ctx), drafts, num)
         # The scratch pairs past `lengths` are rewritten by update(); lengths stay.
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
 
@@ -218,13 +230,16 @@ class EagleTreeProposer(_EagleBase):
         tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(self._pending(ctx))
         hidden = jnp.zeros((b, t) + state.next_hidden.shape[1:], state.next_hidden.dtype)
         hidden = hidden.at[:, 0].set(state.next_hidden)  # root: the draft output predicting it
+        score = jnp.zeros((b, t), jnp.float32)  # cumulative draft log-prob of each node's path
         # Node i (i >= 1) is drafted into scratch slot lengths + i - 1; depth d's nodes run once
         # their tokens are known, so their children can be read off their outputs.
         for d in range(1, int(depth.max()) + 1):
             nodes = np.flatnonzero(depth == d)
             par = parent[nodes]
-            top = self._top(params, hidden[:, par], max_rank)[1]  # [B, n, R]
-            tokens = tokens.at[:, nodes].set(top[:, np.arange(len(nodes)), rank[nodes]])
+            logp, top = self._top(params, hidden[:, par], max_rank)  # [B, n, R]
+            pick = (slice(None), np.arange(len(nodes)), rank[nodes])
+            tokens = tokens.at[:, nodes].set(top[pick])
+            score = score.at[:, nodes].set(score[:, par] + logp[pick])
             if not np.isin(nodes, parent).any():
                 continue  # leaves: no children to draft from them
             slots = cache.lengths[:, None] + jnp.asarray(nodes - 1, jnp.int32)[None, :]
@@ -233,9 +248,11 @@ class EagleTreeProposer(_EagleBase):
             h, cache = self._forward(params, cache, tokens[:, nodes], hidden[:, par], positions,
                                      mask, jnp.ones((b, len(nodes)), bool), slots)
             hidden = hidden.at[:, nodes].set(h)
-        tree = DraftTree(tokens=tokens, parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
-                         depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)),
-                         valid=jnp.ones((b, t), bool))
+        # A child never scores above its parent, so the kept nodes' paths are kept too.
+        valid = score >= jnp.log(jnp.float32(self.min_prob))
+        tree = DraftTree(tokens=jnp.where(valid, tokens, 0),
+                         parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
+                         depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid)
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
 
 
@@ -312,25 +329,29 @@ class EagleDynamicProposer(_EagleBase):
         layer = np.concatenate([np.ones(k, np.int32)] +
                                [np.full(k * k, i + 2, np.int32) for i in range(self.depth)])
         tree = _select(c_tok, c_score, c_par, jnp.asarray(layer), self.total_tokens - 1,
-                       self._pending(ctx))
+                       self._pending(ctx), self.min_prob)
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
 
 
-def _select(c_tok, c_score, c_par, c_depth, n: int, pending) -> DraftTree:
-    """The tree of the n best candidates (by cumulative log-prob) under the pending token.
+def _select(c_tok, c_score, c_par, c_depth, n: int, pending, min_prob: float = 0.0) -> DraftTree:
+    """The tree of the n best candidates (by cumulative log-prob) under the pending token, best
+    first; with min_prob > 0 only those of probability >= min_prob are valid (a prefix).
 
     Candidates come in layer order (parents first); a child never scores above its parent, and
-    top_k prefers lower indices on ties, so a chosen node's parent is chosen too: nodes whose
-    parent is missing are nonetheless marked invalid rather than trusted.
+    top_k prefers lower indices on ties, so a chosen node's parent is chosen too and comes before
+    it: nodes whose parent is missing are nonetheless marked invalid rather than trusted.
     """
     b, c = c_tok.shape
     rows = jnp.arange(b)[:, None]
-    chosen = jnp.sort(jax.lax.top_k(c_score, n)[1], axis=1)  # [B, n] candidate ids, ascending
+    best, chosen = jax.lax.top_k(c_score, n)  # [B, n] candidate ids, best first
     node_of = jnp.full((b, c), -1, jnp.int32).at[rows, chosen].set(
         jnp.arange(1, n + 1, dtype=jnp.int32))
     par_cand = c_par[rows, chosen]
     par_node = jnp.where(par_cand < 0, 0, node_of[rows, jnp.maximum(par_cand, 0)])
-    valid = jnp.concatenate([jnp.ones((b, 1), bool), par_node >= 0], axis=1)
+    ok = par_node >= 0
+    if min_prob > 0:
+        ok &= best >= jnp.log(jnp.float32(min_prob))
+    valid = jnp.concatenate([jnp.ones((b, 1), bool), ok], axis=1)
     parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), jnp.maximum(par_node, 0)], axis=1)
 
     def walk(i, ok):  # a node is valid only when its whole root path is

@@ -109,6 +109,9 @@ class MedusaProposer:
     # Typical acceptance (lossy; Medusa's defaults 0.09 and 0.3) when posterior_threshold is set.
     posterior_threshold: float | None = None
     posterior_alpha: float = 0.3
+    # Verify only nodes whose cumulative head probability (the product over the path of each
+    # head's softmax) is at least this: see EAGLE's min_prob.
+    min_prob: float = 0.0
     is_chain: bool = False
 
     @property
@@ -128,6 +131,9 @@ class MedusaProposer:
         if self.posterior_threshold is not None and not (
                 0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
             raise ValueError("posterior_threshold and posterior_alpha must be in (0, 1]")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"min_prob (the draft-confidence floor) must be in [0, 1], "
+                             f"got {self.min_prob}")
         if max(len(p) for p in nodes) > self.num_heads:
             raise ValueError(f"medusa_choices is {max(len(p) for p in nodes)} deep but there are "
                              f"only {self.num_heads} Medusa heads")
@@ -158,7 +164,8 @@ class MedusaProposer:
     def propose(self, params, state, ctx, keys, sampling):
         """params: {"heads": flax variables, "lm_head": [V, D] when the heads share the base's,
         or its rows of frequent tokens with "draft_ids" [V'] their target ids}."""
-        parent, depth, rank = (jnp.asarray(a) for a in static_tree(self.medusa_choices))
+        topology = static_tree(self.medusa_choices)
+        parent, depth, rank = (jnp.asarray(a) for a in topology)
         b = ctx.tokens.shape[0]
         # Only the heads the tree reaches run (each ends in a [V, D] projection, a large part of
         # a CPU step); flax ignores the variables of the others.
@@ -166,7 +173,8 @@ class MedusaProposer:
         heads = MedusaHeads(used, self.num_layers, self.vocab_size, self.own_lm_head)
         logits = heads.apply(params["heads"], ctx.hidden.astype(jnp.float32),
                              params.get("lm_head"))  # [B, used, V]
-        top = jax.lax.top_k(logits, self.top_k)[1].astype(jnp.int32)  # [B, used, K]
+        top_logits, top = jax.lax.top_k(logits, self.top_k)  # [B, used, K]
+        top = top.astype(jnp.int32)
         if "draft_ids" in params:  # lm_head holds only these target ids' rows
             top = params["draft_ids"][top]
         head = jnp.clip(depth - 1, 0, used - 1)
@@ -174,8 +182,18 @@ class MedusaProposer:
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
         tokens = drafted.at[:, 0].set(pending)
         t = self.tree_size
-        tree = DraftTree(tokens=tokens, parent=jnp.broadcast_to(parent, (b, t)),
-                         depth=jnp.broadcast_to(depth, (b, t)), valid=jnp.ones((b, t), bool))
+        valid = jnp.ones((b, t), bool)
+        if self.min_prob > 0:
+            logp = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+            node_logp = jnp.where(depth > 0, logp[:, head, rank], 0.0)  # [B, T]
+            score = node_logp  # cumulative over the path, depth by depth
+            par_np, dep_np, _ = topology
+            for d in range(2, int(dep_np.max()) + 1):
+                nodes = np.flatnonzero(dep_np == d)
+                score = score.at[:, nodes].add(score[:, par_np[nodes]])
+            valid = score >= jnp.log(jnp.float32(self.min_prob))
+        tree = DraftTree(tokens=jnp.where(valid, tokens, 0), parent=jnp.broadcast_to(parent, (b, t)),
+                         depth=jnp.broadcast_to(depth, (b, t)), valid=valid)
         return tree, state
 
     def update(self, params, state, ctx, result, active):
