@@ -189,8 +189,11 @@ class EagleChainProposer(_EagleBase):
             step, (state.cache(ctx.block_tables), state.next_hidden, first), None,
             length=self.max_draft_len - 1)
         drafts = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
-        score = jnp.cumsum(jnp.concatenate([logp0[:, None], jnp.moveaxis(rest_logp, 0, 1)], 1), 1)
-        num = jnp.sum(score >= jnp.log(jnp.float32(self.min_prob)), axis=1).astype(jnp.int32)
+        num = jnp.full((b,), self.max_draft_len, jnp.int32)
+        if self.min_prob > 0:  # the chain's prefix whose cumulative probability reaches it
+            score = jnp.cumsum(jnp.concatenate([logp0[:, None], jnp.moveaxis(rest_logp, 0, 1)],
+                                               axis=1), axis=1)
+            num = jnp.sum(score >= jnp.log(jnp.float32(self.min_prob)), axis=1).astype(jnp.int32)
         tree = chain(self._pending(ctx), drafts, num)
         # The scratch pairs past `lengths` are rewritten by update(); lengths stay.
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
@@ -249,7 +252,9 @@ class EagleTreeProposer(_EagleBase):
                                      mask, jnp.ones((b, len(nodes)), bool), slots)
             hidden = hidden.at[:, nodes].set(h)
         # A child never scores above its parent, so the kept nodes' paths are kept too.
-        valid = score >= jnp.log(jnp.float32(self.min_prob))
+        valid = jnp.ones((b, t), bool)
+        if self.min_prob > 0:
+            valid = score >= jnp.log(jnp.float32(self.min_prob))
         tree = DraftTree(tokens=jnp.where(valid, tokens, 0),
                          parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
                          depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid)
