@@ -37,6 +37,19 @@ class DraftTree:
         return self.tokens.shape[1]
 
 
+def check_confidence_floor(min_prob: float) -> float:
+    """The draft-confidence floor (the EAGLE and Medusa proposers' min_prob), refused outside
+    [0, 1]."""
+    if not 0.0 <= min_prob <= 1.0:
+        raise ValueError(f"min_prob (the draft-confidence floor) must be in [0, 1], got {min_prob}")
+    return min_prob
+
+
+def reaches_floor(log_prob, min_prob: float):
+    """Which cumulative draft log-probabilities reach the floor min_prob (> 0)."""
+    return log_prob >= jnp.log(jnp.float32(min_prob))
+
+
 def chain(pending, drafts, num_valid, draft_logprobs=None) -> DraftTree:
     """A chain tree: the pending token [B] followed by drafts [B, K], of which the first
     num_valid[b] are real."""

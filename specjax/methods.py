@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 
+from specjax.draft_tree import check_confidence_floor
 from specjax.loading import Model, load_model
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
@@ -72,8 +73,10 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
         if method not in ("medusa", "eagle", "eagle2", "eagle3"):
             raise MethodError(f"--min-draft-prob applies to medusa and the eagle methods, "
                               f"not {method}")
-        if not 0.0 <= min_draft_prob <= 1.0:
-            raise MethodError(f"--min-draft-prob must be in [0, 1], got {min_draft_prob}")
+        try:
+            check_confidence_floor(min_draft_prob)
+        except ValueError as e:
+            raise MethodError(f"--min-draft-prob: {e}") from None
     if method == "vanilla":
         return None, None
     if heads is None and method in HEAD_KINDS:

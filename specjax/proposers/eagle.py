@@ -38,7 +38,7 @@ from flax import struct
 
 from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
-from specjax.draft_tree import DraftTree, chain, static_tree
+from specjax.draft_tree import DraftTree, chain, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
 
@@ -73,9 +73,7 @@ class _EagleBase:
     min_prob: float = 0.0  # verify only drafts of cumulative draft probability >= this
 
     def __post_init__(self):
-        if not 0.0 <= self.min_prob <= 1.0:
-            raise ValueError(f"min_prob (the draft-confidence floor) must be in [0, 1], "
-                             f"got {self.min_prob}")
+        check_confidence_floor(self.min_prob)
         if self.variant not in ("eagle", "eagle3"):
             raise ValueError(f"unknown EAGLE variant '{self.variant}' (eagle or eagle3)")
         if self.variant == "eagle3" and len(self.feature_layers) != 3:
@@ -193,7 +191,7 @@ class EagleChainProposer(_EagleBase):
         if self.min_prob > 0:  # the chain's prefix whose cumulative probability reaches it
             score = jnp.cumsum(jnp.concatenate([logp0[:, None], jnp.moveaxis(rest_logp, 0, 1)],
                                                axis=1), axis=1)
-            num = jnp.sum(score >= jnp.log(jnp.float32(self.min_prob)), axis=1).astype(jnp.int32)
+            num = jnp.sum(reaches_floor(score, self.min_prob), axis=1).astype(jnp.int32)
         tree = chain(self._pending(ctx), drafts, num)
         # The scratch pairs past `lengths` are rewritten by update(); lengths stay.
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
@@ -254,7 +252,7 @@ class EagleTreeProposer(_EagleBase):
         # A child never scores above its parent, so the kept nodes' paths are kept too.
         valid = jnp.ones((b, t), bool)
         if self.min_prob > 0:
-            valid = score >= jnp.log(jnp.float32(self.min_prob))
+            valid = reaches_floor(score, self.min_prob)
         tree = DraftTree(tokens=jnp.where(valid, tokens, 0),
                          parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
                          depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid)
@@ -355,7 +353,7 @@ def _select(c_tok, c_score, c_par, c_depth, n: int, pending, min_prob: float = 0
     par_node = jnp.where(par_cand < 0, 0, node_of[rows, jnp.maximum(par_cand, 0)])
     ok = par_node >= 0
     if min_prob > 0:
-        ok &= best >= jnp.log(jnp.float32(min_prob))
+        ok &= reaches_floor(best, min_prob)
     valid = jnp.concatenate([jnp.ones((b, 1), bool), ok], axis=1)
     parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), jnp.maximum(par_node, 0)], axis=1)
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.draft_tree import DraftTree, static_tree
+from specjax.draft_tree import DraftTree, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import linear
 
 # FasterDecoding/Medusa's default tree for 7B models: 63 nodes, depth 4, ranks up to 9.
@@ -131,9 +131,7 @@ class MedusaProposer:
         if self.posterior_threshold is not None and not (
                 0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
             raise ValueError("posterior_threshold and posterior_alpha must be in (0, 1]")
-        if not 0.0 <= self.min_prob <= 1.0:
-            raise ValueError(f"min_prob (the draft-confidence floor) must be in [0, 1], "
-                             f"got {self.min_prob}")
+        check_confidence_floor(self.min_prob)
         if max(len(p) for p in nodes) > self.num_heads:
             raise ValueError(f"medusa_choices is {max(len(p) for p in nodes)} deep but there are "
                              f"only {self.num_heads} Medusa heads")
@@ -191,7 +189,7 @@ class MedusaProposer:
             for d in range(2, int(dep_np.max()) + 1):
                 nodes = np.flatnonzero(dep_np == d)
                 score = score.at[:, nodes].add(score[:, par_np[nodes]])
-            valid = score >= jnp.log(jnp.float32(self.min_prob))
+            valid = reaches_floor(score, self.min_prob)
         tree = DraftTree(tokens=jnp.where(valid, tokens, 0), parent=jnp.broadcast_to(parent, (b, t)),
                          depth=jnp.broadcast_to(depth, (b, t)), valid=valid)
         return tree, state
