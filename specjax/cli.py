@@ -374,5 +374,15 @@ def main(argv=None) -> int:
         return 1
 
 
+def command(argv=None) -> int:
+    """The `specjax` executable: `main` with JAX's persistent compilation cache on, so that a
+    second run loads its compiled programs (`specjax.compile_cache`). Calling `main` in a process
+    of your own leaves JAX's configuration alone."""
+    from specjax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()
+    return main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -37,12 +37,10 @@ class DraftTree:
         return self.tokens.shape[1]
 
 
-def check_confidence_floor(min_prob: float) -> float:
-    """The draft-confidence floor (the EAGLE and Medusa proposers' min_prob), refused outside
-    [0, 1]."""
+def check_confidence_floor(min_prob: float, name: str = "min_prob") -> None:
+    """Refuse a draft-confidence floor (the EAGLE and Medusa proposers' min_prob) outside [0, 1]."""
     if not 0.0 <= min_prob <= 1.0:
-        raise ValueError(f"min_prob (the draft-confidence floor) must be in [0, 1], got {min_prob}")
-    return min_prob
+        raise ValueError(f"{name} (the draft-confidence floor) must be in [0, 1], got {min_prob}")
 
 
 def reaches_floor(log_prob, min_prob: float):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 import jax
@@ -33,12 +34,24 @@ class Model:
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
+    """The checkpoint's tokenizer. A plain fast tokenizer (what the GGUF converter writes) loads
+    without AutoTokenizer, which would import torch for the model config (seconds per command)."""
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if _tokenizer_class(path) == "PreTrainedTokenizerFast" and (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast as Tokenizer
+        else:
+            from transformers import AutoTokenizer as Tokenizer
+        return Tokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         raise CheckpointError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+
+
+def _tokenizer_class(path: Path):
+    """The tokenizer_class named in the checkpoint's tokenizer_config.json, if any."""
+    try:
+        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def default_dtype():

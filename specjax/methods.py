@@ -74,9 +74,9 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
             raise MethodError(f"--min-draft-prob applies to medusa and the eagle methods, "
                               f"not {method}")
         try:
-            check_confidence_floor(min_draft_prob)
+            check_confidence_floor(min_draft_prob, "--min-draft-prob")
         except ValueError as e:
-            raise MethodError(f"--min-draft-prob: {e}") from None
+            raise MethodError(str(e)) from None
     if method == "vanilla":
         return None, None
     if heads is None and method in HEAD_KINDS:

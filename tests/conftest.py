@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config):
+    """Compiled programs persist across runs in specjax's compile cache, as for the `specjax`
+    command, also for the subprocesses tests start (through the environment they inherit).
+    A cold cache changes nothing but the time; SPECJAX_COMPILE_CACHE=0 turns it off."""
+    from specjax.compile_cache import MIN_COMPILE_SECONDS, enable_compile_cache
+
+    path = enable_compile_cache()
+    if path is not None:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(path))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECONDS))
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"

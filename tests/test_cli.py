@@ -299,7 +299,8 @@ def test_debug_shows_the_exception(capsys, broken_dirs):
 
 def _subprocess(*args, cache):
     env = dict(os.environ, SPECJAX_CACHE=str(cache), JAX_PLATFORMS="cpu")
-    env.pop("SPECJAX_DEBUG", None)
+    for name in ("SPECJAX_DEBUG", "SPECJAX_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR"):
+        env.pop(name, None)  # the command's own defaults, under this test's cache
     return subprocess.run([sys.executable, "-m", "specjax.cli", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=300)
 
@@ -326,6 +327,14 @@ def test_subprocess_generate_json(model_dir, tmp_path, capsys):
     # Same tokens as the in-process run (a fresh process compiles on its own).
     [inproc] = run_json(capsys, "--model", model_dir, "--prompt", PROMPTS[1], "--max-new-tokens", 5)
     assert rec["token_ids"] == inproc["token_ids"]
+    # The command keeps its compiled programs under the specjax cache; a second run loads them
+    # and gives the same tokens.
+    cached = list((tmp_path / "jax-compile").iterdir())
+    assert cached, "no compiled program was cached"
+    again = _subprocess("generate", "--model", model_dir, "--prompt", PROMPTS[1],
+                        "--max-new-tokens", 5, "--json", cache=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.splitlines()[0])["token_ids"] == rec["token_ids"]
 
 
 # --- speculative methods through the CLI -------------------------------------------------------
