@@ -4,9 +4,11 @@ A second `specjax generate` (or bench, train) with the same model and shapes loa
 programs from disk instead of compiling them again, as vLLM and torch.compile keep theirs. Only the
 command turns it on: library users keep their own JAX configuration.
 
-`SPECJAX_COMPILE_CACHE` = a directory (default `<specjax cache>/jax-compile`, at most 2 GiB, least
-recently used programs evicted first), or `0` / `off` to disable it. A cache directory the user
-already gave JAX (`JAX_COMPILATION_CACHE_DIR` or `jax.config`) is left as it is.
+`SPECJAX_COMPILE_CACHE` = a directory (default `<specjax cache>/jax-compile`), or `0` / `off` to
+disable it. A cache directory the user already gave JAX (`JAX_COMPILATION_CACHE_DIR` or
+`jax.config`) is left as it is. Nothing is evicted (JAX's size-capped mode cannot share a
+directory with processes that run without the cap); a full test run adds tens of MB, and
+deleting the directory is always safe.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ OFF = ("0", "off", "false", "no")
 # Cache programs whose compilation took at least this long: most of a step's helpers compile in
 # well under JAX's default second, yet add up to several seconds per run.
 MIN_COMPILE_SECONDS = 0.1
-# JAX evicts the least recently used programs beyond this size (a real model's step is ~1 MB).
-MAX_BYTES = 2 << 30
 
 
 def compile_cache_dir() -> Path | None:
@@ -51,5 +51,4 @@ def enable_compile_cache() -> Path | None:
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path

@@ -11,8 +11,7 @@ from specjax.compile_cache import compile_cache_dir, enable_compile_cache
 @pytest.fixture
 def jax_cache_config():
     """Restore JAX's cache settings after a test changes them."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_compilation_cache_max_size")
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     saved = {name: getattr(jax.config, name) for name in names}
     yield
     for name, value in saved.items():
