@@ -33,11 +33,16 @@ class Model:
         return self._tokenizer
 
 
+# What AutoTokenizer resolves these names to is this class itself (the second is the first's name
+# since transformers 5).
+PLAIN_FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_tokenizer(path: Path):
     """The checkpoint's tokenizer. A plain fast tokenizer (what the GGUF converter writes) loads
     without AutoTokenizer, which would import torch for the model config (seconds per command)."""
     try:
-        if _tokenizer_class(path) == "PreTrainedTokenizerFast" and (path / "tokenizer.json").is_file():
+        if _tokenizer_class(path) in PLAIN_FAST_TOKENIZERS and (path / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast as Tokenizer
         else:
             from transformers import AutoTokenizer as Tokenizer

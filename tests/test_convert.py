@@ -238,3 +238,39 @@ def test_wrong_shape_is_named(hf_models, tmp_path):
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")) as e:
         load_model(str(d))
     assert "shape" in str(e.value)
+
+
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "TokenizersBackend", None])
+def test_tokenizer_equals_autotokenizer_without_importing_torch(tmp_path, tokenizer_class):
+    """A plain fast tokenizer loads without AutoTokenizer (which imports torch, seconds per
+    command) and encodes, decodes and applies the chat template exactly as AutoTokenizer's."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from conftest import build_tokenizer
+    from specjax.loading import load_tokenizer
+
+    build_tokenizer(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("tokenizer_class", None)
+    if tokenizer_class:
+        config["tokenizer_class"] = tokenizer_class
+    config_path.write_text(json.dumps(config))
+    ours, auto = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "def add(a, b): return a + b"}]
+    for text in ("The quick brown fox.", "1 + 1 = 2\n\tdone", "<|im_start|>hi<|im_end|>"):
+        assert ours(text).input_ids == auto(text).input_ids
+        assert ours.decode(ours(text).input_ids) == auto.decode(auto(text).input_ids)
+    assert (ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    assert (ours.eos_token, ours.pad_token) == (auto.eos_token, auto.pad_token)
+    if tokenizer_class:  # a fresh process: torch stays unimported
+        probe = ("import sys; from pathlib import Path; from specjax.loading import load_tokenizer; "
+                 f"load_tokenizer(Path({str(tmp_path)!r})); print('torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "False"
