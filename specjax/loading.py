@@ -41,6 +41,7 @@ PLAIN_FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 def load_tokenizer(path: Path):
     """The checkpoint's tokenizer. A plain fast tokenizer (what the GGUF converter writes) loads
     without AutoTokenizer, which would import torch for the model config (seconds per command)."""
+    path = Path(path)
     try:
         if _tokenizer_class(path) in PLAIN_FAST_TOKENIZERS and (path / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast as Tokenizer
@@ -54,7 +55,7 @@ def load_tokenizer(path: Path):
 def _tokenizer_class(path: Path):
     """The tokenizer_class named in the checkpoint's tokenizer_config.json, if any."""
     try:
-        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         return None
 
