@@ -110,12 +110,19 @@ def decode_step(params, config: ModelConfig, sampling: SamplingConfig, s: Decode
                      cache=cache)
 
 
+def keep_decoding(done, stop_done=None):
+    """Loop condition: some sequence unfinished (and, with stop_done, fewer than that many done)."""
+    more = jnp.any(~done)
+    return more if stop_done is None else more & (jnp.sum(done) < stop_done)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "sampling"), donate_argnames=("state",))
 def decode_loop(params, config: ModelConfig, sampling: SamplingConfig, state: DecodeState,
-                max_new_tokens, eos_ids):
-    """Vanilla decoding of every unfinished sequence until EOS or max_new_tokens, in one loop."""
+                max_new_tokens, eos_ids, stop_done=None):
+    """Vanilla decoding of every unfinished sequence until EOS or max_new_tokens, in one loop
+    (or until `stop_done` sequences are done: continuous batching refills their slots)."""
     return jax.lax.while_loop(
-        lambda s: jnp.any(~s.done),
+        lambda s: keep_decoding(s.done, stop_done),
         lambda s: decode_step(params, config, sampling, s, max_new_tokens, eos_ids), state)
 
 
@@ -274,6 +281,15 @@ class Engine:
         finally:
             for pages in page_lists:
                 allocator.free(pages)
+
+    def generate_continuous(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+                            **options):
+        """Vanilla answers of many prompts with continuous batching, yielded as each finishes
+        (`FinishedSequence`); options: slots, refill, sampling, seeds, eos_token_ids.
+        See `specjax.continuous`."""
+        from specjax.continuous import generate_continuous
+
+        return generate_continuous(self, prompts, max_new_tokens, **options)
 
     def _reset_pools(self):
         """Fresh zeroed pools and an empty prefix cache (the old contents are gone)."""

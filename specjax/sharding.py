@@ -270,14 +270,14 @@ def prefill(params, config: ModelConfig, cache, tokens, num_tokens, feature_laye
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "mesh"),
                    donate_argnames=("state",))
-def decode_loop(params, config: ModelConfig, sampling, state, max_new_tokens, eos_ids, *,
-                mesh: Mesh):
+def decode_loop(params, config: ModelConfig, sampling, state, max_new_tokens, eos_ids,
+                stop_done=None, *, mesh: Mesh):
     """`generate.decode_loop` with the carry pinned at entry, every step and exit."""
-    from specjax.generate import decode_step
+    from specjax.generate import decode_step, keep_decoding
 
     pin = functools.partial(constrain, mesh, batch=state.tokens.shape[0])
     return pin(jax.lax.while_loop(
-        lambda s: jnp.any(~s.done),
+        lambda s: keep_decoding(s.done, stop_done),
         lambda s: pin(decode_step(params, config, sampling, s, max_new_tokens, eos_ids)),
         pin(state)))
 

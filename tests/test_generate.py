@@ -147,3 +147,66 @@ def test_engine_survives_a_failing_call(tiny):
         eng.generate([PROMPTS[0]], 6, eos_token_ids=(), proposer=Broken())
     assert eng.allocator.num_free == 64
     assert eng.generate([PROMPTS[0]], 6, eos_token_ids=()).token_ids == before.token_ids
+
+
+MANY = [PROMPTS[i % 3][: 1 + (5 * i) % 19] + [i + 1] for i in range(11)]
+
+
+@pytest.mark.parametrize("slots,refill,chunk", [(4, 1, 64), (3, 2, 4), (16, None, 64)])
+def test_continuous_batching_equals_generate(tiny, slots, refill, chunk, monkeypatch):
+    """Each prompt's answer (sampled, seeded per prompt; EOS cuts some short) equals a call of
+    `generate` on that prompt alone, whatever slot it ran in and whoever shared the batch
+    (prompts prefilled in one chunk or in chunks of 4 tokens)."""
+    import specjax.continuous
+
+    monkeypatch.setattr(specjax.continuous, "PREFILL_CHUNK", chunk)
+    model, _ = tiny
+    eng = Engine(model.params, model.config, num_pages=64, page_size=4)
+    s = SamplingConfig(temperature=1.0)
+    free = eng.generate([MANY[0]], 12, sampling=s, seeds=[100], eos_token_ids=())
+    eos = (free.token_ids[0][5],)  # a token sampled early, so some answers end before 12
+    got = list(eng.generate_continuous(MANY, 12, slots=slots, refill=refill, sampling=s,
+                                       seeds=[100 + i for i in range(len(MANY))],
+                                       eos_token_ids=eos))
+    assert sorted(r.index for r in got) == list(range(len(MANY)))
+    for r in got:
+        one = eng.generate([MANY[r.index]], 12, sampling=s, seeds=[100 + r.index],
+                           eos_token_ids=eos)
+        assert r.token_ids == one.token_ids[0]
+        assert r.finished_by_eos == one.finished_by_eos[0]
+        assert r.steps == one.steps[0] == len(r.token_ids)
+    assert any(r.finished_by_eos for r in got) and not all(r.finished_by_eos for r in got)
+    assert eng.allocator.num_free == 64  # every page back; the engine still works
+    assert eng.generate([MANY[3]], 4, eos_token_ids=()).token_ids[0] == eng.generate(
+        [MANY[3]], 4, eos_token_ids=()).token_ids[0]
+
+
+def test_continuous_batching_waits_for_pages(tiny):
+    """A pool that holds two sequences at a time still answers all prompts (slots wait for
+    pages); a pool too small for one sequence raises CacheFullError and keeps its pages."""
+    from specjax import CacheFullError
+
+    model, _ = tiny
+    eng = Engine(model.params, model.config, num_pages=10, page_size=4)  # 5 pages per sequence
+    prompts = [p[:8] for p in MANY[:5]]
+    got = {r.index: r.token_ids for r in eng.generate_continuous(prompts, 10, slots=4,
+                                                                 eos_token_ids=())}
+    want = Engine(model.params, model.config, num_pages=64, page_size=4).generate(
+        prompts, 10, eos_token_ids=()).token_ids
+    assert [got[i] for i in range(5)] == want
+    small = Engine(model.params, model.config, num_pages=3, page_size=4)
+    with pytest.raises(CacheFullError, match="out of pages"):
+        list(small.generate_continuous(prompts, 10, slots=2))
+    assert small.allocator.num_free == 3
+
+
+def test_continuous_batching_early_close_and_zero_tokens(tiny):
+    model, _ = tiny
+    eng = Engine(model.params, model.config, num_pages=64, page_size=4)
+    it = eng.generate_continuous(MANY, 8, slots=4, eos_token_ids=())
+    first = next(it)
+    it.close()  # a consumer that stops early gives every page back
+    assert eng.allocator.num_free == 64 and len(first.token_ids) == 8
+    assert [r.token_ids for r in eng.generate_continuous(MANY[:2], 0)] == [[], []]
+    with pytest.raises(ValueError, match="slots"):
+        list(eng.generate_continuous(MANY, 4, slots=0))

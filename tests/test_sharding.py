@@ -62,6 +62,10 @@ SCRIPT = textwrap.dedent('''
             o = eng.generate(PROMPTS, NEW, eos_token_ids=(), proposer=proposer,
                              proposer_params=pparams)
             res[name] = {"tokens": o.token_ids, "steps": o.steps}
+        done = {r.index: r for r in eng.generate_continuous(PROMPTS, NEW, slots=2, refill=1,
+                                                            eos_token_ids=())}
+        res["continuous"] = {"tokens": [done[i].token_ids for i in range(len(PROMPTS))],
+                             "steps": [done[i].steps for i in range(len(PROMPTS))]}
         return eng, res
 
     _, out["one_device"] = run(None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -221,21 +222,26 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
         bar = tqdm(total=len(indices), initial=len(indices) - len(todo), disable=not progress,
                    desc="distill", unit="prompt", dynamic_ncols=True)
+        t0, new_tokens = time.perf_counter(), 0
         with open(out_path, "a", encoding="utf-8") as f:
-            for s in range(0, len(todo), bs):
-                batch = todo[s:s + bs]
-                out = engine.generate([p for _, p in batch], cfg.max_new_tokens, sampling=sampling,
-                                      seeds=[cfg.seed + i for i, _ in batch],
-                                      eos_token_ids=sorted(eos))
-                for (i, p), ans, fin in zip(batch, out.token_ids, out.finished_by_eos):
-                    row = {"index": i, "id": records[i].id, "category": records[i].category,
-                           "prompt_ids": p, "answer_ids": ans, "finished": bool(fin)}
-                    f.write(json.dumps(row) + "\n")
-                    done[i] = row
-                f.flush()
-                os.fsync(f.fileno())
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{sum(len(a) for a in out.token_ids) / out.seconds:.0f}")
+            # continuous batching: a slot whose answer ended takes the next prompt at once
+            answers = engine.generate_continuous(
+                [p for _, p in todo], cfg.max_new_tokens, slots=bs, sampling=sampling,
+                seeds=[cfg.seed + i for i, _ in todo], eos_token_ids=sorted(eos))
+            for n, out in enumerate(answers, 1):
+                i, p = todo[out.index]
+                row = {"index": i, "id": records[i].id, "category": records[i].category,
+                       "prompt_ids": p, "answer_ids": out.token_ids,
+                       "finished": out.finished_by_eos}
+                f.write(json.dumps(row) + "\n")
+                done[i] = row
+                if n % bs == 0 or n == len(todo):
+                    f.flush()
+                    os.fsync(f.fileno())
+                new_tokens += len(out.token_ids)
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}",
+                                refresh=False)
         bar.close()
     return [done[i] for i in indices]
 
