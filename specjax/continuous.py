@@ -46,6 +46,7 @@ def generate_continuous(engine, prompts: Sequence[Sequence[int]], max_new_tokens
     refill: finished slots that send the loop back to the host for new prompts (default
     slots // 8, at least 1). Seeds as in `Engine.generate` (an int: seed + prompt index).
     Prompts run in the order given: neighbours of similar lengths keep the tables narrow.
+    The engine's pools are in use until the iterator is exhausted or closed.
     """
     from specjax.generate import DecodeState, GenerationError
 
