@@ -48,16 +48,14 @@ def generate_continuous(engine, prompts: Sequence[Sequence[int]], max_new_tokens
     Prompts run in the order given: neighbours of similar lengths keep the tables narrow.
     The engine's pools are in use until the iterator is exhausted or closed.
     """
-    from specjax.generate import DecodeState, GenerationError
+    from specjax.generate import DecodeState, GenerationError, seed_list
 
     prompts = [list(map(int, p)) for p in prompts]
     engine._check(prompts, max_new_tokens)
     if slots < 1:
         raise GenerationError(f"slots must be >= 1, got {slots}")
     n = len(prompts)
-    seeds = [seeds + i for i in range(n)] if isinstance(seeds, int) else list(seeds)
-    if len(seeds) != n:
-        raise GenerationError(f"{len(seeds)} seeds for {n} prompts")
+    seeds = seed_list(seeds, n)
     eos = engine.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     if max_new_tokens == 0:
         for i in range(n):
@@ -165,13 +163,10 @@ class _Slots:
         fill = sorted(fill, key=lambda f: len(self.prompts[f[1]]))  # similar lengths per group
         for g in range(0, len(fill), self.group):
             rows = fill[g:g + self.group]
-            table = np.full((self.group, pps), sink, np.int32)
-            done = np.zeros((self.group,), np.int32)
-            todo = []
-            for r, (s, i, cached) in enumerate(rows):
-                table[r, :len(self.pages[s])] = self.pages[s]
-                done[r] = cached
-                todo.append(self.prompts[i][cached:len(self.prompts[i]) - 1])
+            pad = self.group - len(rows)  # rows of the group with nothing to write
+            table = block_table_array([self.pages[s] for s, _, _ in rows] + [[]] * pad, pps, sink)
+            done = np.asarray([cached for _, _, cached in rows] + [0] * pad, np.int32)
+            todo = [self.prompts[i][cached:len(self.prompts[i]) - 1] for _, i, cached in rows]
             for start in range(0, max(map(len, todo)), PREFILL_CHUNK):
                 chunk = np.zeros((self.group, PREFILL_CHUNK), np.int32)
                 num = np.zeros((self.group,), np.int32)

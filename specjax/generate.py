@@ -74,6 +74,14 @@ def prefill(params, config: ModelConfig, cache: PagedKVCache, tokens, num_tokens
     return out.cache.replace(lengths=cache.lengths + num_tokens), last, hidden
 
 
+def seed_list(seeds, n: int) -> list[int]:
+    """One sampling seed per prompt: an int gives seed + prompt index."""
+    seeds = [seeds + i for i in range(n)] if isinstance(seeds, int) else list(seeds)
+    if len(seeds) != n:
+        raise GenerationError(f"{len(seeds)} seeds for {n} prompts")
+    return seeds
+
+
 def _to_host(x):
     """numpy copy of a result (gathered across hosts when the mesh spans several)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -241,9 +249,7 @@ class Engine:
         t0 = time.perf_counter()
         eos = self.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         b = len(prompts)
-        seeds = [seeds + i for i in range(b)] if isinstance(seeds, int) else list(seeds)
-        if len(seeds) != b:
-            raise GenerationError(f"{len(seeds)} seeds for {b} prompts")
+        seeds = seed_list(seeds, b)
         dp = 1 if self.mesh is None else self.mesh.shape["data"]
         if b % dp:  # the "data" axis splits the batch evenly: pad with copies of the last prompt
             pad = dp - b % dp
