@@ -87,10 +87,27 @@ def lm_head_weight(params):
     return params.get("lm_head", params["embed"])
 
 
+def head_logits(x, w):
+    """float32 logits [..., V] of x [..., D] through an output head stored [V, D].
+
+    Up to 64 rows (decode, verify and draft passes) as (w @ x^T)^T, like `linear`: for the
+    49152-row head XLA:CPU took 3.7 / 4.2 / 4.9 / 18.6 ms at 1 / 4 / 8 / 64 rows against
+    6.4 / 7.1 / 8.0 / 23.3 ms for x @ w^T; larger batches (prefill, training) as x @ w^T,
+    which wins from a few hundred rows on.
+    """
+    if x.size // x.shape[-1] > 64:
+        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    lead = x.shape[:-1]
+    dtype = jnp.result_type(x, w)
+    x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
+    y = jax.lax.dot_general(w.astype(dtype), x2, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
+
+
 def compute_logits(params, hidden):
     """float32 logits [..., V] of normalized hidden states [..., D]."""
-    w = lm_head_weight(params)
-    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    return head_logits(hidden, lm_head_weight(params))
 
 
 def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, block_tables,

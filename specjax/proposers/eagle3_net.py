@@ -22,7 +22,7 @@ import numpy as np
 from kernels_pallas import attention_backend, paged_attention, write_paged_kv
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import _mlp_block, key_mask, linear, rms_norm
+from specjax.model import _mlp_block, head_logits, key_mask, linear, rms_norm
 from specjax.rope import apply_rope, rope_cos_sin
 
 KIND = "eagle3"
@@ -101,8 +101,7 @@ def eagle3_forward(params, config: ModelConfig, embed, tokens, features, positio
 def eagle3_logprobs(params, config: ModelConfig, hidden):
     """float32 log-probabilities [.., draft_vocab] of draft hidden states (norm, own lm_head)."""
     h = rms_norm(hidden, params["norm"], config.rms_norm_eps)
-    logits = jnp.einsum("...d,vd->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
-    return jax.nn.log_softmax(logits, axis=-1)
+    return jax.nn.log_softmax(head_logits(h, params["lm_head"]), axis=-1)
 
 
 def draft_to_target(params, draft_ids):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import decoder_layers
+from specjax.model import decoder_layers, head_logits
 
 
 def eagle_forward(params, config: ModelConfig, embed, tokens, features, positions,
@@ -37,7 +37,7 @@ def eagle_forward(params, config: ModelConfig, embed, tokens, features, position
 
 def eagle_logits(hidden, lm_head):
     """Token logits of draft hidden states through the target's [V, D] head (float32)."""
-    return jnp.einsum("...d,vd->...v", hidden, lm_head, preferred_element_type=jnp.float32)
+    return head_logits(hidden, lm_head)
 
 
 def load_eagle_heads(path, target_config: ModelConfig | None = None) -> tuple[ModelConfig, dict]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.draft_tree import DraftTree, check_confidence_floor, reaches_floor, static_tree
-from specjax.model import linear
+from specjax.model import head_logits
 
 # FasterDecoding/Medusa's default tree for 7B models: 63 nodes, depth 4, ranks up to 9.
 MC_SIM_7B_63 = (
@@ -92,9 +92,7 @@ class MedusaHeads(nn.Module):
                          for k in range(self.num_heads)], axis=-2)
         if self.own_lm_head:
             return out
-        if out.size // out.shape[-1] <= 16:  # a decode step's few rows (model.linear)
-            return linear(out, base_lm_head)
-        return jnp.einsum("...d,vd->...v", out, base_lm_head)  # training batches
+        return head_logits(out, base_lm_head)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.draft_tree import DraftTree
+from specjax.model import head_logits
 
 LOG_0 = -50000.0  # the reference's log(0): finite, so sums and top-k stay well defined
 KIND = "redrafter"
@@ -94,7 +95,7 @@ def drafter_logits(params, hidden, state):
     blocks = params.get("resblocks", {})
     for i in range(len(blocks)):
         x = x + jax.nn.silu(_dense(blocks[str(i)], x))
-    return jnp.einsum("...e,ve->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return head_logits(x, params["lm_head"])
 
 
 def warp_logits(logits, top_k: int | None):
