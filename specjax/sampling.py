@@ -37,21 +37,47 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def kth_largest(x, k: int):
+    """The k-th largest value along the last axis, shaped [..., 1].
+
+    The barrier keeps XLA:CPU from fusing top_k into a consumer that compares against it, a
+    fusion that turns the top_k into a full sort (7.9 ms instead of 0.1 ms for one
+    49152-token row on this project's CPU).
+    """
+    return jax.lax.optimization_barrier(jax.lax.top_k(x, k)[0])[..., -1:]
+
+
+def top_p_mask(logits, top_p: float):
+    """bool [..., V]: the tokens top-p keeps, by HF's rule, without sorting the vocabulary.
+
+    A value v is kept when the probability of the tokens strictly more likely than v is below
+    top_p (so ties are kept together and the most likely token always is). That mass falls as v
+    rises, so the smallest kept value is found by bisection over the floats' ordered integer
+    keys: 32 passes over the row, where XLA:CPU's sort of 49152 logits takes 9 ms a row.
+    """
+    probs = jax.nn.softmax(logits, axis=-1)
+    bits = jax.lax.bitcast_convert_type(jnp.where(logits == 0, 0.0, logits), jnp.int32)  # -0 = +0
+    keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 keys ordered like the floats
+    lo = jnp.full(logits.shape[:-1] + (1,), jnp.iinfo(jnp.int32).min, jnp.int32)  # mass >= p
+    hi = jnp.max(keys, axis=-1, keepdims=True)  # nothing above the maximum: mass 0 < p
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        below = jnp.sum(jnp.where(keys > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return keys >= hi
+
+
 def processed_logprobs(logits, sampling: SamplingConfig):
     """float32 log-probabilities [..., V] after temperature, top-k and top-p (masked to -inf)."""
     logits = logits.astype(jnp.float32) / sampling.temperature
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        logits = jnp.where(logits < kth_largest(logits, sampling.top_k), -jnp.inf, logits)
     if sampling.top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p (HF's rule:
-        # drop a token when the mass of the tokens strictly more likely already exceeds top_p).
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep_sorted = mass_before < sampling.top_p
-        threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        logits = jnp.where(top_p_mask(logits, sampling.top_p), logits, -jnp.inf)
     return jax.nn.log_softmax(logits, axis=-1)
 
 

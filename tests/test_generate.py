@@ -96,6 +96,26 @@ def test_processed_logprobs_match_transformers_warpers(temperature, top_k, top_p
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_mask_equals_the_sorted_rule(top_p):
+    """The bisection keeps what sorting keeps: ties together, -0.0 equal to 0.0, -inf rows."""
+    from specjax.sampling import top_p_mask
+
+    rng = np.random.default_rng(1)
+    rows = [rng.normal(size=300) * 3, np.round(rng.normal(size=300)), rng.normal(size=300) * 1e-3,
+            np.where(rng.random(300) < 0.5, -np.inf, rng.normal(size=300)),
+            np.array([0.0, -0.0] * 150), np.round(rng.normal(size=300) * 0.3) * 1.0]
+    logits = np.stack(rows).astype(np.float32)
+    want = []
+    for row in logits:  # HF's rule by sorting: keep a token if the mass before it is < top_p
+        probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        order = np.argsort(-row, kind="stable")
+        before = np.concatenate([[0.0], np.cumsum(probs[order])[:-1]])
+        threshold = row[order][before < top_p].min()
+        want.append(row >= threshold)
+    np.testing.assert_array_equal(np.asarray(top_p_mask(jnp.asarray(logits), top_p)), want)
+
+
 def test_sample_distribution_chi_square():
     """20k samples follow the processed distribution; a wrong temperature is caught."""
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(16,)) * 1.5, jnp.float32)

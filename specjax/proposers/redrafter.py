@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from specjax.draft_tree import DraftTree
 from specjax.model import head_logits
+from specjax.sampling import kth_largest
 
 LOG_0 = -50000.0  # the reference's log(0): finite, so sums and top-k stay well defined
 KIND = "redrafter"
@@ -103,8 +104,7 @@ def warp_logits(logits, top_k: int | None):
     logits = logits - jnp.max(logits, axis=-1, keepdims=True)
     if top_k is None or top_k <= 0 or top_k >= logits.shape[-1]:
         return logits
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-    return jnp.where(logits < kth, LOG_0, logits)
+    return jnp.where(logits < kth_largest(logits, top_k), LOG_0, logits)
 
 
 # ----------------------------------------------------------------------------- beam search
