@@ -131,14 +131,17 @@ def _hf_models(model, draft_layers: int, max_draft_len: int):
 
 def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, categories=None,
               limit: int | None = None, max_new_tokens: int = 128, peers=(), heads_dir=None,
-              page_size: int = 16, progress: bool = True) -> dict:
+              page_size: int = 16, progress: bool = True, sampling=None, seed: int = 0) -> dict:
     """Run the benchmark; writes records.jsonl, results.json, results.md and results.png in
-    out_dir and returns the results dict."""
+    out_dir and returns the results dict. sampling: a SamplingConfig (default greedy); every
+    method and peer samples with it, prompt i with seed + i."""
     from tqdm import tqdm
 
-    from specjax import Engine, load_model
+    from specjax import Engine, SamplingConfig, load_model
     from specjax.cli import encode_prompt
     from specjax.methods import make_proposer
+
+    sampling = sampling or SamplingConfig()
 
     specs = [MethodSpec.parse(m) for m in methods]
     if not specs or specs[0].method != "vanilla" or specs[0].options:
@@ -166,19 +169,20 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     draft_spec = next((s for s in specs if s.method == "draft"), None)
     draft_opts = dict(draft_spec.options) if draft_spec else {}
     labels = [s.label for s in specs] + (list(PEERS) if peers else [])
-    todo = [(p, e, m) for p, e in zip(prompts, encoded) for m in labels
+    todo = [(n, p, e, m) for n, (p, e) in enumerate(zip(prompts, encoded)) for m in labels
             if (p["category"], p["index"], m) not in done]
     with records_path.open("a") as log:
-        for p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
+        for n, p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
             if label in PEERS:
                 if hf is None:
                     hf, hf_draft = _hf_models(model, draft_opts.get("draft_layers", 8),
                                               draft_opts.get("max_draft_len", 4))
                 rec = _run_hf(hf, hf_draft, label, prompt, max_new_tokens,
-                              draft_opts.get("prompt_lookup_num_tokens", 10))
+                              draft_opts.get("prompt_lookup_num_tokens", 10), sampling, seed + n)
             else:
                 proposer, pparams = proposers[label]
-                kw = dict(proposer=proposer, proposer_params=pparams)
+                kw = dict(proposer=proposer, proposer_params=pparams, sampling=sampling,
+                          seeds=[seed + n])
                 engine.generate([prompt], max_new_tokens, warmup=True, **kw)
                 out = engine.generate([prompt], max_new_tokens, **kw)
                 rec = {"tokens": len(out.token_ids[0]), "seconds": out.seconds,
@@ -187,29 +191,39 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
             done[(p["category"], p["index"], label)] = rec
             log.write(json.dumps(rec) + "\n")
             log.flush()
-    rows = summarize(done, [p for p in prompts], labels)
+    rows = summarize(done, [p for p in prompts], labels, compare_outputs=sampling.greedy)
     result = {"machine": machine(), "model": model_name, "max_new_tokens": max_new_tokens,
-              "batch": 1, "prompts_file": str(prompts_file), "rows": rows}
+              "batch": 1, "prompts_file": str(prompts_file),
+              "sampling": dataclasses.asdict(sampling), "seed": seed, "rows": rows}
     write_results(result, out_dir)
     return result
 
 
-def _run_hf(hf, hf_draft, label, prompt, max_new_tokens, pld_tokens) -> dict:
+def _run_hf(hf, hf_draft, label, prompt, max_new_tokens, pld_tokens, sampling, seed) -> dict:
     import torch
+
+    if sampling.greedy:
+        how = {"do_sample": False}
+    else:
+        torch.manual_seed(seed)
+        how = {"do_sample": True, "temperature": sampling.temperature,
+               "top_k": sampling.top_k, "top_p": sampling.top_p}  # top_k 0: off
 
     extra = {"hf-vanilla": {}, "hf-pld": {"prompt_lookup_num_tokens": pld_tokens},
              "hf-assisted": {"assistant_model": hf_draft}}[label]
     ids = torch.tensor([prompt])
     with torch.no_grad():
         t = time.perf_counter()
-        res = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
+        res = hf.generate(ids, max_new_tokens=max_new_tokens, **how, **extra)
         seconds = time.perf_counter() - t
     return {"tokens": int(res.shape[1] - ids.shape[1]), "seconds": seconds, "steps": None,
             "token_ids": res[0, ids.shape[1]:].tolist()}
 
 
-def summarize(records: dict, prompts: list[dict], labels: list[str]) -> list[dict]:
-    """One row per (category, method): sums over the category's prompts."""
+def summarize(records: dict, prompts: list[dict], labels: list[str],
+              compare_outputs: bool = True) -> list[dict]:
+    """One row per (category, method): sums over the category's prompts. compare_outputs:
+    count the prompts whose output equals vanilla's (greedy runs; sampled runs differ)."""
     rows = []
     for cat in dict.fromkeys(p["category"] for p in prompts):
         idx = [p["index"] for p in prompts if p["category"] == cat]
@@ -234,7 +248,7 @@ def summarize(records: dict, prompts: list[dict], labels: list[str]) -> list[dic
                 "speedup_vs_vanilla": round(tps / base["ours"], 3) if base.get("ours") else None,
                 "speedup_vs_own_vanilla": round(tps / base["hf" if peer else "ours"], 3)
                 if base.get("hf" if peer else "ours") else None,
-                "greedy_equals_vanilla": None if peer else
+                "greedy_equals_vanilla": None if peer or not compare_outputs else
                 f"{sum(v is not None and v['token_ids'] == r['token_ids'] for v, r in zip(vanilla, recs))}/{len(recs)}",
             })
     return rows

@@ -19,6 +19,26 @@ class UsageError(ValueError):
     """Bad command-line input."""
 
 
+def _add_sampling_args(p):
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+
+
+def _sampling_of(args):
+    """The SamplingConfig of --temperature, --top-k and --top-p (one-line errors)."""
+    from specjax.sampling import SamplingConfig
+
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    return SamplingConfig(args.temperature, args.top_k, args.top_p)
+
+
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text with a model (vanilla or speculative)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
@@ -27,10 +47,7 @@ def _add_generate(sub):
     p.add_argument("--prompts-file", help="JSONL with 'turns' (first is the prompt) or 'prompt'")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    _add_sampling_args(p)
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is, no chat template")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt")
@@ -157,12 +174,7 @@ def _validate_generate(args):
         raise UsageError(f"unknown method '{args.method}' (available: {', '.join(METHODS)})")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    _sampling_of(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.page_size < 1:
@@ -240,7 +252,6 @@ def cmd_generate(args) -> int:
     from specjax.generate import Engine, bucket
     from specjax.loading import load_model
     from specjax.methods import make_proposer
-    from specjax.sampling import SamplingConfig
     from specjax.spec_decode import scratch_slots
 
     model = load_model(args.model, mesh=mesh)
@@ -272,7 +283,7 @@ def cmd_generate(args) -> int:
     engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size,
                     mesh=mesh)
     quiet = mesh is not None and _process_index() != 0
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    sampling = _sampling_of(args)
     for batch in batches:
         prompts = [encoded[i] for i in batch]
         seeds = [args.seed + i for i in batch]
@@ -329,6 +340,7 @@ def _add_bench(sub):
     p.add_argument("--heads-dir", default=None,
                    help="folder with medusa/, eagle/, eagle3/, redrafter/ head checkpoints "
                         "(default: the embedded model's shipped heads)")
+    _add_sampling_args(p)
     p.add_argument("--out", required=True, help="output folder (re-running it resumes)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -340,10 +352,12 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = _sampling_of(args)
     peers = [p for p in args.peers.split(",") if p]
     result = run_bench(args.model, [m for m in args.methods.split(",") if m], args.prompts,
                        args.out, categories=args.categories, limit=args.limit,
-                       max_new_tokens=args.max_new_tokens, peers=peers, heads_dir=args.heads_dir)
+                       max_new_tokens=args.max_new_tokens, peers=peers, heads_dir=args.heads_dir,
+                       sampling=sampling, seed=args.seed)
     from specjax.bench import markdown_table
 
     print(markdown_table(result["rows"]))

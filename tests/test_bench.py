@@ -58,6 +58,30 @@ def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path,
     assert (out / "records.jsonl").read_text() == before
 
 
+def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file, tmp_path,
+                                                          capsys):
+    """--temperature/--top-p: every method samples; rows say nothing of equal outputs; the
+    same seed gives the same tokens, another seed other tokens."""
+    def run(out, seed):
+        args = ["bench", "--model", str(tiny_llama[0]), "--methods", "vanilla,pld",
+                "--prompts", str(prompt_file), "--max-new-tokens", "16", "--out", str(out),
+                "--temperature", "1.0", "--top-p", "0.9", "--seed", str(seed)]
+        assert main(args) == 0
+        res = json.loads((out / "results.json").read_text())
+        recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        return res, {(r["category"], r["index"], r["method"]): r["token_ids"] for r in recs}
+
+    res, a = run(tmp_path / "a", 3)
+    assert res["sampling"] == {"temperature": 1.0, "top_k": 0, "top_p": 0.9} and res["seed"] == 3
+    assert all(r["greedy_equals_vanilla"] is None for r in res["rows"])
+    assert all(r["mean_accepted"] >= 1 for r in res["rows"])
+    assert run(tmp_path / "b", 3)[1] == a
+    assert run(tmp_path / "c", 4)[1] != a
+    assert main(["bench", "--prompts", str(prompt_file), "--out", str(tmp_path / "d"),
+                 "--temperature", "-1"]) != 0
+    assert "--temperature must be >= 0" in capsys.readouterr().err
+
+
 def test_method_specs_and_prompt_errors(tmp_path):
     spec = MethodSpec.parse("eagle2:eagle_total_tokens=16:eagle_depth=3")
     assert spec.method == "eagle2" and dict(spec.options) == {"eagle_total_tokens": 16, "eagle_depth": 3}
