@@ -5,10 +5,11 @@ vanilla decoding in the same run, and whether the greedy output equalled vanilla
 prompt. Peers (transformers `generate`: vanilla, prompt lookup, assisted generation with the same
 self-draft as ours) run on the same weights and prompts, so the table also gives
 specjax/transformers ratios. Each prompt is timed after a warm-up call of the same shapes (compile
-excluded), batch 1, greedy, stopping at EOS or max_new_tokens.
+excluded), batch 1, greedy (or sampling, every method and peer with the same settings and
+seeds), stopping at EOS or max_new_tokens.
 
 Per-prompt records are appended to `records.jsonl` in the output folder as they finish; an
-interrupted run started again with the same folder skips what is there.
+interrupted run started again with the same folder and settings skips what is there.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     prompts = read_bench_prompts(prompts_file, categories, limit)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _check_settings(out_dir, {"model": model_name, "max_new_tokens": max_new_tokens,
+                              "sampling": dataclasses.asdict(sampling), "seed": seed})
     model = load_model(model_name)
     proposers = {}
     for s in specs:
@@ -197,6 +200,19 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
               "sampling": dataclasses.asdict(sampling), "seed": seed, "rows": rows}
     write_results(result, out_dir)
     return result
+
+
+def _check_settings(out_dir: Path, settings: dict) -> None:
+    """Records in out_dir resume only a run with the same settings (settings.json)."""
+    path = out_dir / "settings.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != settings:
+            changed = ", ".join(f"{k} {old.get(k)} -> {v}" for k, v in settings.items()
+                                if old.get(k) != v)
+            raise BenchError(f"{out_dir} holds a run with other settings ({changed}); "
+                             "use another --out")
+    path.write_text(json.dumps(settings) + "\n")
 
 
 def _run_hf(hf, hf_draft, label, prompt, max_new_tokens, pld_tokens, sampling, seed) -> dict:
@@ -272,9 +288,18 @@ def write_results(result: dict, out_dir: Path) -> None:
     (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown_table(result["rows"])
     (out_dir / "results.md").write_text(
-        f"{result['model']}, batch 1, up to {result['max_new_tokens']} new tokens, greedy, "
-        f"{result['machine']}\n\n{table}\n")
+        f"{result['model']}, batch 1, up to {result['max_new_tokens']} new tokens, "
+        f"{decoding_of(result)}, {result['machine']}\n\n{table}\n")
     plot_speedup(result, out_dir / "results.png")
+
+
+def decoding_of(result: dict) -> str:
+    """'greedy' or the sampling settings of a results dict."""
+    s = result.get("sampling") or {"temperature": 0.0}
+    if s["temperature"] == 0:
+        return "greedy"
+    return (f"sampling at temperature {s['temperature']}, top-k {s['top_k'] or 'off'}, "
+            f"top-p {s['top_p']}, seed {result.get('seed', 0)} + prompt number")
 
 
 def plot_speedup(result: dict, out: Path) -> Path:
@@ -297,7 +322,7 @@ def plot_speedup(result: dict, out: Path) -> Path:
     ax.set_xticks(range(len(cats)), cats)
     ax.set_ylabel("speedup vs own vanilla")
     ax.set_title(f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
-                 f"{result['machine']}", fontsize=8)
+                 f"{decoding_of(result)}, {result['machine']}", fontsize=7)
     if methods:
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()

@@ -76,6 +76,13 @@ def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file
     assert all(r["greedy_equals_vanilla"] is None for r in res["rows"])
     assert all(r["mean_accepted"] >= 1 for r in res["rows"])
     assert run(tmp_path / "b", 3)[1] == a
+    before = (tmp_path / "a" / "records.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["bench", "--model", str(tiny_llama[0]), "--prompts", str(prompt_file),
+                 "--out", str(tmp_path / "a"), "--max-new-tokens", "16", "--temperature", "1.0",
+                 "--top-p", "0.9", "--seed", "4"]) != 0  # seed-3 records there: no silent mix
+    assert "other settings (seed 3 -> 4)" in capsys.readouterr().err
+    assert (tmp_path / "a" / "records.jsonl").read_text() == before
     assert run(tmp_path / "c", 4)[1] != a
     assert main(["bench", "--prompts", str(prompt_file), "--out", str(tmp_path / "d"),
                  "--temperature", "-1"]) != 0
