@@ -35,13 +35,15 @@ class AcceptResult:
     next_token: jax.Array  # int32[B]: correction or bonus token, the next pending token
 
 
-def _node_draws(logits, keys, sampling: SamplingConfig):
-    """One target draw per node: argmax when greedy, else a sample from the processed p."""
+def _node_draws(logits, keys, sampling: SamplingConfig, logp=None):
+    """One target draw per node: argmax when greedy, else a sample from the processed p
+    (logp: processed_logprobs(logits) when the caller has it already)."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = logits.shape[1]
     node_keys = jax.vmap(lambda k: jax.random.split(k, t))(keys)  # [B, T] keys
-    logp = processed_logprobs(logits, sampling)
+    if logp is None:
+        logp = processed_logprobs(logits, sampling)
     return jax.vmap(jax.vmap(jax.random.categorical))(node_keys, logp).astype(jnp.int32)
 
 
@@ -132,7 +134,7 @@ def accept_typical(tree: DraftTree, logits, keys, sampling: SamplingConfig,
     p_parent = p[jnp.arange(b)[:, None], parent]  # [B, T, V]: p at each node's parent
     p_tok = jnp.take_along_axis(p_parent, tree.tokens[:, :, None], axis=2)[..., 0]
     ok = _acceptable(tree) & (tree.parent >= 0) & (p_tok > jnp.take_along_axis(bar, parent, axis=1))
-    return _follow(tree, ok, _node_draws(logits, keys, sampling))
+    return _follow(tree, ok, _node_draws(logits, keys, sampling, logp))
 
 
 def accept(tree: DraftTree, logits, keys, sampling: SamplingConfig, rule: str = "match",
