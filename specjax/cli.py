@@ -109,6 +109,9 @@ def _add_generate(sub):
     la.add_argument("--lookahead", default="7,5,7", metavar="W,N,G",
                     help="max_window_size, max_ngram_size, max_verification_set_size "
                          "(TensorRT-LLM's names; default 7,5,7)")
+    la.add_argument("--lookahead-accept-window", action="store_true",
+                    help="also accept the window's own chains from the pending token (Jacobi "
+                         "decoding's acceptance; off in the references)")
     k.add_argument("--min-matching-ngram-size", type=int, default=1,
                    help="shortest n-gram to match (2 suits CPUs, where verifying costs more)")
     par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through "
@@ -269,7 +272,8 @@ def cmd_generate(args) -> int:
         min_draft_prob=args.min_draft_prob, redrafter_num_beams=args.redrafter_num_beams,
         redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
         redrafter_greedy_search=not args.redrafter_no_greedy_search,
-        redrafter_warp_top_k=args.redrafter_warp_top_k or None, lookahead=args.lookahead_wng)
+        redrafter_warp_top_k=args.redrafter_warp_top_k or None, lookahead=args.lookahead_wng,
+        lookahead_accept_window=args.lookahead_accept_window)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))

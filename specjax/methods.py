@@ -59,13 +59,15 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   redrafter_num_beams: int | None = None,
                   redrafter_draft_len_per_beam: int | None = None,
                   redrafter_greedy_search: bool = True,
-                  redrafter_warp_top_k: int | None = 50, lookahead=(7, 5, 7)):
+                  redrafter_warp_top_k: int | None = 50, lookahead=(7, 5, 7),
+                  lookahead_accept_window: bool = False):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
 
     draft: `draft_model` (a path or name of any model with the target's vocabulary), or else a
     self-draft of the target's first `draft_layers` layers (default 8) with its norm and head.
     lookahead: TensorRT-LLM's (W, N, G) = (max_window_size, max_ngram_size,
-    max_verification_set_size).
+    max_verification_set_size); lookahead_accept_window: also accept the window's chains from
+    the root (see LookaheadProposer.accept_window).
     Head methods: options left None take the head checkpoint's `decoding_defaults` for the
     method (the tree sizes its model card recommends), else the method's own defaults.
     """
@@ -77,6 +79,8 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
             check_confidence_floor(min_draft_prob, "--min-draft-prob")
         except ValueError as e:
             raise MethodError(str(e)) from None
+    if lookahead_accept_window and method != "lookahead":
+        raise MethodError(f"--lookahead-accept-window applies to lookahead, not {method}")
     if method == "vanilla":
         return None, None
     if heads is None and method in HEAD_KINDS:
@@ -123,7 +127,7 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                       {"total_tokens": eagle_total_tokens, "depth": eagle_depth,
                        "top_k": eagle_top_k}, eagle_draft_vocab, min_draft_prob)
     if method == "lookahead":
-        return _lookahead(target, lookahead), None
+        return _lookahead(target, lookahead, lookahead_accept_window), None
     if method == "redrafter":
         from specjax.proposers.redrafter import make_redrafter
 
@@ -142,13 +146,13 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     raise MethodError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
 
 
-def _lookahead(target: Model, wng):
+def _lookahead(target: Model, wng, accept_window: bool = False):
     """LookaheadProposer for (W, N, G), refused when its window does not fit the context."""
     from specjax.proposers.lookahead import LookaheadProposer
 
     try:
         w, n, g = (int(x) for x in wng)
-        proposer = LookaheadProposer(w, n, g)
+        proposer = LookaheadProposer(w, n, g, accept_window=bool(accept_window))
     except (TypeError, ValueError) as e:
         raise MethodError(f"lookahead (W, N, G) {tuple(wng)}: {e}") from None
     context = target.config.max_position_embeddings

@@ -50,9 +50,10 @@ def vanilla(engine):
 # Greedy output equals vanilla greedy decoding
 
 
-@pytest.mark.parametrize("wng", [(7, 5, 7), (3, 2, 1)])
-def test_greedy_equals_vanilla_batched(engine, vanilla, wng):
-    proposer = LookaheadProposer(*wng)
+@pytest.mark.parametrize("wng, accept_window", [((7, 5, 7), False), ((3, 2, 1), False),
+                                                 ((7, 5, 7), True), ((1, 3, 1), True)])
+def test_greedy_equals_vanilla_batched(engine, vanilla, wng, accept_window):
+    proposer = LookaheadProposer(*wng, accept_window=accept_window)
     out = engine.generate(PROMPTS[:2], N_NEW, eos_token_ids=NO_EOS, proposer=proposer)
     assert out.token_ids == vanilla[:2]
     single = engine.generate(PROMPTS[2:3], N_NEW, eos_token_ids=NO_EOS, proposer=proposer)
@@ -87,12 +88,12 @@ WINDOW = np.array([[10 * k + j + 1 for j in range(W)] for k in range(N - 1)], np
 NGRAMS = [[41, 42, 43], [41, 42, 44], [51, 52, 53]]
 
 
-def _combined_tree():
+def _combined_tree(ngrams=NGRAMS, accept_window=False):
     cand = np.zeros((1, G, N - 1), np.int32)
-    cand[0, :len(NGRAMS)] = NGRAMS
-    valid = np.arange(G)[None, :] < len(NGRAMS)
+    cand[0, :len(ngrams)] = ngrams
+    valid = np.arange(G)[None, :] < len(ngrams)
     return lookahead_tree(jnp.asarray(WINDOW)[None], jnp.asarray([PENDING]), jnp.asarray(cand),
-                          jnp.asarray(valid))
+                          jnp.asarray(valid), accept_window)
 
 
 def _prescribed_contexts():
@@ -132,6 +133,38 @@ def test_combined_mask_and_positions_follow_the_method():
     acceptable = np.asarray(tree.acceptable[0])
     for i in real:  # only the root and the verification branch may be accepted
         assert acceptable[i] == (int(tokens[i]) >= 41 or i == 0)
+
+
+def test_accept_window_opens_the_window_chains_from_the_root():
+    """accept_window: column 0's levels and level 0's columns become acceptable (each a chain from
+    the root), unless a verification n-gram starts with the chain's first token."""
+    lw = W * (N - 1)
+    chains = {k * W for k in range(N - 1)} | set(range(W))
+    got = np.asarray(_combined_tree(accept_window=True).acceptable[0])
+    np.testing.assert_array_equal(got[:lw], [i in chains for i in range(lw)])
+    assert got[lw:].all()
+    first_col0, first_row0 = int(WINDOW[1, 0]), int(WINDOW[0, 1])
+    shadowed = _combined_tree([[first_col0, 42, 43], [first_row0, 52, 53]], accept_window=True)
+    np.testing.assert_array_equal(np.asarray(shadowed.acceptable[0])[:lw], np.arange(lw) == 0)
+
+
+@pytest.mark.parametrize("accept_window", [False, True])
+def test_greedy_acceptance_follows_the_window_chain_only_when_asked(accept_window):
+    """Logits whose argmax runs down column 0 (root -> (1, 0) -> (2, 0)) and then off the tree:
+    with accept_window two window tokens are accepted, else none (no pool n-gram matches)."""
+    from specjax.accept import accept_match
+    from specjax.sampling import SamplingConfig
+
+    tree = _combined_tree(accept_window=accept_window)
+    tokens = np.asarray(tree.tokens[0])
+    logits = np.zeros((1, tokens.size, CFG.vocab_size), np.float32)
+    logits[0, :, 0] = 1.0  # token 0 is on no path
+    logits[0, 0, WINDOW[1, 0]] = 5.0
+    logits[0, W, WINDOW[2, 0]] = 5.0
+    res = accept_match(tree, jnp.asarray(logits), jax.random.split(jax.random.PRNGKey(0), 1),
+                       SamplingConfig(temperature=0.0))
+    assert int(res.n_accepted[0]) == (2 if accept_window else 0)
+    assert int(res.next_token[0]) == (0 if accept_window else WINDOW[1, 0])
 
 
 def test_combined_forward_equals_prescribed_chains(target):
@@ -307,6 +340,8 @@ def test_cli_bad_lookahead_values(capsys, tiny_llama):
                         ("a,b,c", "W,N,G")):
         assert_error(capsys, *base, "--lookahead", value, words=("--lookahead", word))
     assert_error(capsys, *base, "--lookahead", "600,5,7", words=("context",))
+    assert_error(capsys, "generate", "--model", model, "--method", "pld", "--prompt", "hi",
+                 "--lookahead-accept-window", words=("--lookahead-accept-window", "pld"))
 
 
 def test_cli_lookahead_equals_vanilla(capsys, tiny_llama):
@@ -316,6 +351,9 @@ def test_cli_lookahead_equals_vanilla(capsys, tiny_llama):
     args = ("--model", model, "--prompt", "def add(a, b):", "--max-new-tokens", 12, "--no-warmup")
     want = run_json(capsys, *args)[0]["token_ids"]
     got = run_json(capsys, *args, "--method", "lookahead", "--lookahead", "3,3,2")[0]
+    assert got["token_ids"] == want and got["steps"] <= len(want)
+    got = run_json(capsys, *args, "--method", "lookahead", "--lookahead", "1,3,1",
+                   "--lookahead-accept-window")[0]
     assert got["token_ids"] == want and got["steps"] <= len(want)
 
 
@@ -347,7 +385,8 @@ def test_smollm2_greedy_equals_vanilla():
 # Sampling
 
 
-def test_engine_sampling_is_lossless():
+@pytest.mark.parametrize("accept_window", [False, True])
+def test_engine_sampling_is_lossless(accept_window):
     """The first two sampled tokens through Engine.generate (many seeds) follow the target's
     exact joint distribution (chi-square), with n-grams from the prompt accepted in one pass."""
     from specjax import SamplingConfig
@@ -358,7 +397,7 @@ def test_engine_sampling_is_lossless():
     target = init_params(S_CFG, jax.random.PRNGKey(1), scale=0.5)
     table = _continuation_logits(target, S_CFG)
     sampling = SamplingConfig(temperature=1.0)
-    proposer = LookaheadProposer(2, 3, 2, pool_buckets=16)
+    proposer = LookaheadProposer(2, 3, 2, pool_buckets=16, accept_window=accept_window)
     batch, calls = 1024, 8
     eng = Engine(target, S_CFG, num_pages=2 * batch + 8, page_size=16)
     first, second, steps = [], [], []
