@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.draft_tree import DraftTree, ancestor_mask
-from specjax.sampling import SamplingConfig, processed_logprobs
+from specjax.sampling import SamplingConfig, categorical, processed_logprobs
 
 
 @struct.dataclass
@@ -44,7 +44,7 @@ def _node_draws(logits, keys, sampling: SamplingConfig, logp=None):
     node_keys = jax.vmap(lambda k: jax.random.split(k, t))(keys)  # [B, T] keys
     if logp is None:
         logp = processed_logprobs(logits, sampling)
-    return jax.vmap(jax.vmap(jax.random.categorical))(node_keys, logp).astype(jnp.int32)
+    return jax.vmap(jax.vmap(categorical))(node_keys, logp)
 
 
 def _acceptable(tree: DraftTree):
@@ -117,7 +117,7 @@ def accept_residual(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> 
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     use_residual = rejected[:, None] & (mass > 0)
     dist = jnp.where(use_residual, residual / jnp.where(mass > 0, mass, 1.0), p_n)
-    nxt = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_res, dist).astype(jnp.int32)
+    nxt = jax.vmap(lambda k, d: categorical(k, jnp.log(d)))(k_res, dist)
     path = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     return AcceptResult(path, n, nxt)
 

@@ -116,6 +116,28 @@ def test_top_p_mask_equals_the_sorted_rule(top_p):
     np.testing.assert_array_equal(np.asarray(top_p_mask(jnp.asarray(logits), top_p)), want)
 
 
+def test_argmax_last_and_categorical_give_what_jax_gives():
+    """argmax_last is jnp.argmax (first of ties, NaN largest, all--inf rows) and categorical draws
+    exactly jax.random.categorical's tokens (same keys), masked rows included."""
+    from specjax.sampling import argmax_last, categorical
+
+    rng = np.random.default_rng(2)
+    rows = np.stack([rng.normal(size=500) * 3, np.round(rng.normal(size=500)),
+                     np.where(rng.random(500) < 0.9, -np.inf, rng.normal(size=500)),
+                     np.full(500, -np.inf), np.where(np.arange(500) == 7, np.nan, 1.0),
+                     np.where(np.arange(500) % 3 == 0, np.nan, 0.0)]).astype(np.float32)
+    x = jnp.asarray(rows)
+    np.testing.assert_array_equal(np.asarray(argmax_last(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    np.testing.assert_array_equal(np.asarray(argmax_last(x[:, :9].reshape(2, 3, 9))),
+                                  np.asarray(jnp.argmax(x[:, :9].reshape(2, 3, 9), axis=-1)))
+    keys = jax.random.split(jax.random.PRNGKey(3), 400)
+    finite = x[:3]
+    got = jax.vmap(lambda k: categorical(k, finite))(keys)
+    want = jax.vmap(lambda k: jax.random.categorical(k, finite))(keys)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert len(set(np.asarray(got)[:, 0].tolist())) > 20  # the draws vary with the key
+
+
 def test_sample_distribution_chi_square():
     """20k samples follow the processed distribution; a wrong temperature is caught."""
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(16,)) * 1.5, jnp.float32)

@@ -20,7 +20,7 @@ from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
 from specjax.draft_tree import chain
 from specjax.model import causal_mask, forward
-from specjax.sampling import SamplingConfig, processed_logprobs
+from specjax.sampling import SamplingConfig, categorical, processed_logprobs
 
 
 @struct.dataclass
@@ -87,8 +87,7 @@ class DraftModelProposer:
         """Next draft token and log q of the distribution it came from."""
         if self.use_logits and not sampling.greedy:
             logq = processed_logprobs(logits, sampling)
-            tok = jax.vmap(jax.random.categorical)(keys, logq).astype(jnp.int32)
-            return tok, logq
+            return jax.vmap(categorical)(keys, logq), logq
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
 
     def propose(self, params, state: DraftModelState, ctx, keys, sampling):
