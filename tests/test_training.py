@@ -351,6 +351,27 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     assert not np.array_equal(batch_ids(0, bs, n, seed=4), ids[:4])
 
 
+def test_length_grouped_batches():
+    n, bs = 1003, 4
+    lengths = np.random.default_rng(0).integers(1, 500, n)
+    per_epoch = n // bs
+    epoch = np.stack([batch_ids(s, bs, n, seed=1, lengths=lengths) for s in range(per_epoch)])
+    # an epoch: whole batches, no sequence twice, all but n % bs of them
+    assert len(np.unique(epoch)) == per_epoch * bs
+    # batches of similar length: far less padding than random batches
+    pad = lambda b: (lengths[b].max(1, keepdims=True) - lengths[b]).sum()
+    rand = np.stack([batch_ids(s, bs, n, seed=1) for s in range(per_epoch)])
+    assert pad(epoch) < 0.1 * pad(rand)
+    # seeded and resumable: the same batch from the step alone; the next epoch differs
+    assert np.array_equal(batch_ids(7, bs, n, seed=1, lengths=lengths), epoch[7])
+    nxt = batch_ids(per_epoch + 7, bs, n, seed=1, lengths=lengths)
+    assert not np.array_equal(nxt, epoch[7])
+    assert not np.array_equal(batch_ids(7, bs, n, seed=2, lengths=lengths), epoch[7])
+    # too few sequences to group: the plain permutation
+    assert np.array_equal(batch_ids(1, bs, 6, seed=1, lengths=lengths[:6]),
+                          batch_ids(1, bs, 6, seed=1))
+
+
 # ------------------------------------------------------------------------------------------
 # Data stages
 
@@ -422,7 +443,8 @@ METHOD_OPTIONS = {"medusa": (), "eagle": (), "redrafter": (("draft_vocab_size", 
                                     pytest.param("redrafter", marks=pytest.mark.slow)])
 def test_train_resume_and_decode(setup, method, tmp_path, capsys):
     base, prompts, data = setup["base"], setup["prompts"], setup["data"]
-    opts = dict(method_options=METHOD_OPTIONS[method])
+    # EAGLE's run takes batches of similar length (the others the plain permutation).
+    opts = dict(method_options=METHOD_OPTIONS[method], group_by_length=method == "eagle")
     # Evaluation (Engine + the method's proposer) runs once; other methods decode below.
     full = config(method, base, prompts, tmp_path / "full", data, **opts,
                   eval_prompts=3 if method == "medusa" else 0)
@@ -510,6 +532,9 @@ def test_bad_output_folders_and_heads(setup, tmp_path, capsys):
 
     # Another method's checkpoint in the output folder.
     assert "holds a medusa training run" in error(["--method", "eagle", "--out", str(out), *common])
+    # The same run with another batch order.
+    assert "group_by_length=False" in error(["--method", "medusa", "--out", str(out),
+                                             "--group-by-length", *common])
     only_heads = tmp_path / "h"
     shutil.copytree(out / "heads", only_heads / "heads")
     assert "holds medusa heads" in error(["--method", "eagle", "--out", str(only_heads), *common])

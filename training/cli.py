@@ -48,6 +48,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    t.add_argument("--group-by-length", action="store_true",
+                   help="batches of sequences of similar length (less padding, faster steps)")
     t.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after N steps in total; rerun to continue")
     t.add_argument("--init-heads", default=None, help="start from these heads (specjax format)")
@@ -100,7 +102,7 @@ def config_from_args(args):
         top_k=args.top_k, distill_batch=args.distill_batch_size, feature_dtype=args.feature_dtype,
         max_len=args.max_len, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
-        save_every=args.save_every,
+        save_every=args.save_every, group_by_length=args.group_by_length,
         method_options=tuple(sorted((k, v) for k, v in options.items() if v is not None)),
         init_heads=args.init_heads, eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, until=args.until,

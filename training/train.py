@@ -97,8 +97,17 @@ def train_step(method: TrainMethod, config: ModelConfig, opt: OptimConfig, state
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
-def batch_ids(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
-    """Sequence ids of batch `step`: a seeded permutation of all n sequences per epoch."""
+def batch_ids(step: int, batch_size: int, n: int, seed: int,
+              lengths: np.ndarray | None = None) -> np.ndarray:
+    """Sequence ids of batch `step`: a seeded permutation of all n sequences per epoch.
+
+    With `lengths` (tokens per sequence) batches hold sequences of similar length, as Hugging
+    Face's `group_by_length` does: less padding, so a step over short sequences costs less.
+    """
+    if lengths is not None and n >= 2 * batch_size:
+        per_epoch = n // batch_size  # whole batches; the n % batch_size left over vary by epoch
+        epoch, j = divmod(step, per_epoch)
+        return _length_grouped_order(epoch, batch_size, lengths, seed)[j]
     pos = step * batch_size + np.arange(batch_size)
     epochs = pos // n
     out = np.empty(batch_size, np.int64)
@@ -107,6 +116,26 @@ def batch_ids(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
         sel = epochs == e
         out[sel] = perm[pos[sel] % n]
     return out
+
+
+LENGTH_GROUP_BATCHES = 50  # batches per length-sorted window (Hugging Face's mega-batch)
+
+
+def _length_grouped_order(epoch: int, batch_size: int, lengths: np.ndarray,
+                          seed: int) -> np.ndarray:
+    """int[n // batch_size, batch_size]: one epoch's batches of similar length, in seeded order.
+
+    The epoch's permutation is cut into windows of LENGTH_GROUP_BATCHES batches, each window
+    sorted by length, split into batches, and the batches shuffled.
+    """
+    n = len(lengths)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    window = LENGTH_GROUP_BATCHES * batch_size
+    parts = [w[np.argsort(-lengths[w], kind="stable")]
+             for w in np.split(perm, range(window, n, window))]
+    per_epoch = n // batch_size
+    batches = np.concatenate(parts)[:per_epoch * batch_size].reshape(per_epoch, batch_size)
+    return batches[np.random.default_rng([seed, epoch, 1]).permutation(per_epoch)]
 
 
 def step_key(seed: int, step: int):
@@ -169,12 +198,14 @@ def restore_checkpoint(mngr, like: TrainState) -> TrainState | None:
 def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureStore, out_dir,
         opt: OptimConfig, *, batch_size: int, max_len: int, seed: int, save_every: int,
         init_params=None, stop_after: int | None = None, progress: bool = True,
-        devices=None, constants: dict | None = None) -> TrainState:
+        devices=None, constants: dict | None = None,
+        group_by_length: bool = False) -> TrainState:
     """Train `method` on `store` for opt.steps steps, checkpointing under out_dir; resumable.
 
     stop_after: stop (with a checkpoint) once this many steps are done, as a killed run would;
     a later call continues to opt.steps. devices: the batch is split over these (default all).
     constants: the method's frozen data-derived arrays (default: method.constants(store)).
+    group_by_length: batches of sequences of similar length (batch_ids).
     """
     from tqdm import tqdm
 
@@ -198,11 +229,13 @@ def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureSto
     state = sharder.replicate(state)
     frozen = sharder.replicate(frozen)
     end = opt.steps if stop_after is None else min(opt.steps, stop_after)
+    lengths = np.minimum(store.lengths, max_len) if group_by_length else None
     bar = tqdm(total=opt.steps, initial=start, disable=not progress, desc=f"train {method.name}",
                unit="step", dynamic_ncols=True)
     with open(out_dir / METRICS_FILE, "a") as log:
         for step in range(start, end):
-            batch = store.batch(batch_ids(step, batch_size, len(store), seed), max_len)
+            ids = batch_ids(step, batch_size, len(store), seed, lengths)
+            batch = store.batch(ids, max_len)
             state, metrics = train_step(method, config, opt, state, frozen, sharder.batch(batch),
                                         step_key(seed, step))
             m = jax.device_get(metrics)
@@ -311,6 +344,7 @@ class TrainConfig:
     clip: float = 1.0
     seed: int = 0
     save_every: int = 100
+    group_by_length: bool = False
     method_options: tuple = ()  # sorted (name, value) pairs, e.g. (("num_heads", 4),)
     init_heads: str | None = None
     eval_prompts: int = 20
@@ -349,9 +383,12 @@ def check_out_dir(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> None:
                              f"base model has hidden_size {hidden_size} / vocab_size {vocab_size}")
         new = dataclasses.asdict(cfg)
         new["method_options"] = [list(p) for p in cfg.method_options]
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for k, v in new.items():
-            if k not in _RESUMABLE and k in old["config"] and old["config"][k] != v:
-                raise TrainError(f"output folder {out} holds a run with {k}={old['config'][k]!r}, "
+            # a setting newer than the run's file had its default there
+            was = old["config"].get(k, defaults[k])
+            if k not in _RESUMABLE and was != v:
+                raise TrainError(f"output folder {out} holds a run with {k}={was!r}, "
                                  f"not {v!r}: use another --out (or the same settings to resume)")
     heads = out / HEADS_DIR / FORMAT_FILE
     if heads.exists():
@@ -450,7 +487,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     state = fit(method, config, model.params, store, cfg.out, cfg.optim(),
                 batch_size=cfg.batch_size, max_len=cfg.max_len, seed=cfg.seed,
                 save_every=cfg.save_every, init_params=init_params, stop_after=stop_after,
-                progress=progress, constants=constants)
+                progress=progress, constants=constants, group_by_length=cfg.group_by_length)
     result["train_seconds"] = time.perf_counter() - t0
     result["state"] = state
     result["plot"] = str(plot_metrics(cfg.out, f"{cfg.method} on {Path(cfg.base).name}"))
