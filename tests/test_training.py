@@ -191,6 +191,39 @@ def test_sampled_loss_positions(name):
     assert len(set(np.asarray(pos)[0])) == 3
 
 
+def test_medusa_draft_vocab_loss():
+    """Over the draft_ids rows: the loss of the full-vocabulary logits' columns at those rows,
+    labels renumbered, labels outside the draft vocabulary not scored."""
+    from training.methods import make_method
+
+    rng = np.random.default_rng(7)
+    b, t, d, v = 2, 14, 8, 40
+    base = {"embed": jnp.asarray(rng.normal(size=(v, d)), jnp.float32)}
+    cfg = type("C", (), {"hidden_size": d, "vocab_size": v})
+    tokens = rng.integers(0, v, (b, t)).astype(np.int32)
+    mask = rng.random((b, t)) > 0.2
+    batch = {"tokens": jnp.asarray(tokens), "final": jnp.asarray(rng.normal(size=(b, t, d)),
+                                                                   jnp.float32),
+             "mask": jnp.asarray(mask), "valid": jnp.ones((b, t), bool)}
+    ids = rng.permutation(v)[:25].astype(np.int32)
+    frozen = {"base": base, "draft_ids": jnp.asarray(ids)}
+    method = make_method("medusa", num_heads=3, draft_vocab_loss=True)
+    params = method.init_params(jax.random.PRNGKey(0), frozen, cfg)
+    params = jax.tree_util.tree_map(lambda a: a + 0.1, params)
+    got, gm = method.loss(params, frozen, cfg, batch, jax.random.PRNGKey(1))
+    full = np.asarray(method.logits(params, base, cfg, batch["final"]))
+    index = np.full(v, -1)
+    index[ids] = np.arange(len(ids))
+    want, wm = medusa_loss(jnp.asarray(full[..., ids]), jnp.asarray(np.maximum(index[tokens], 0)),
+                           jnp.asarray(mask & (index[tokens] >= 0)))
+    assert (index[tokens] < 0).any() and float(got) != float(
+        medusa_loss(jnp.asarray(full), jnp.asarray(tokens), jnp.asarray(mask))[0])
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gm["acc_k"]), np.asarray(wm["acc_k"]), rtol=1e-6)
+    with pytest.raises(ValueError, match="shared lm_head"):
+        make_method("medusa", draft_vocab_loss=True, own_lm_head=True)
+
+
 def test_redrafter_loss_matches_torch():
     """Apple's drafter_loss: step i's logits[:, :-(i+2)] against labels[:, i+2:], summed."""
     torch = pytest.importorskip("torch")
@@ -435,7 +468,7 @@ def _generate(args, capsys):
     return [json.loads(l)["token_ids"] for l in capsys.readouterr().out.splitlines()]
 
 
-METHOD_OPTIONS = {"medusa": (), "eagle": (), "redrafter": (("draft_vocab_size", 200), ("steps", 3)),
+METHOD_OPTIONS = {"medusa": (("draft_vocab_loss", True),), "eagle": (), "redrafter": (("draft_vocab_size", 200), ("steps", 3)),
                   "eagle3": (("draft_vocab_size", 256), ("steps", 3))}
 
 

@@ -68,6 +68,9 @@ class MedusaMethod(TrainMethod):
     own_lm_head: bool = False
     decay: float = losses.MEDUSA_DECAY
     loss_positions: int | None = None  # score this many random positions per sequence
+    # Cross-entropy over the `draft_ids` rows of the shared head only: what decoding drafts
+    # from, at a sixth of the full vocabulary's cost per scored position.
+    draft_vocab_loss: bool = False
     name: str = "medusa"
     kind: str = "medusa"
 
@@ -95,22 +98,37 @@ class MedusaMethod(TrainMethod):
             variables = {"params": params}
         return variables
 
-    def logits(self, params, base_params, config, features):
-        """Head logits [B, T, K, V] of features [B, T, D]."""
+    def __post_init__(self):
+        if self.draft_vocab_loss and self.own_lm_head:
+            raise ValueError("Medusa's draft-vocabulary loss needs the shared lm_head "
+                             "(own_lm_head=False)")
+
+    def logits(self, params, base_params, config, features, rows=None):
+        """Head logits [B, T, K, V] of features [B, T, D] (V: the shared head's `rows` if given)."""
         b, t, d = features.shape
-        out = self._module(config).apply(params, features.reshape(b * t, d),
-                                         lm_head_weight(base_params).astype(jnp.float32))
+        head = lm_head_weight(base_params).astype(jnp.float32)
+        if rows is not None:
+            head = head[rows]
+        out = self._module(config).apply(params, features.reshape(b * t, d), head)
         return out.reshape(b, t, self.num_heads, -1)
 
     def loss(self, params, frozen, config, batch, key):
         mask = batch["mask"] & batch["valid"]
+        tokens, rows = batch["tokens"], None
+        if self.draft_vocab_loss:  # labels as draft-vocabulary indices; other tokens not scored
+            rows = frozen["draft_ids"]
+            index = jnp.full((config.vocab_size,), -1, jnp.int32).at[rows].set(
+                jnp.arange(rows.shape[0], dtype=jnp.int32))
+            tokens = index[tokens]
+            mask = mask & (tokens >= 0)
+            tokens = jnp.maximum(tokens, 0)
         feats, pos, ok = batch["final"], None, None
         if self.loss_positions:  # among positions where some head has a label
             pos, ok = losses.sample_positions(key, losses.labelled(mask, self.num_heads),
                                               self.loss_positions)
             feats = jnp.take_along_axis(feats, pos[..., None], axis=1)
-        logits = self.logits(params, frozen["base"], config, feats)
-        return losses.medusa_loss(logits, batch["tokens"], mask, self.decay, pos, ok)
+        logits = self.logits(params, frozen["base"], config, feats, rows)
+        return losses.medusa_loss(logits, tokens, mask, self.decay, pos, ok)
 
     def constants(self, store, config, init_heads=None):
         if self.own_lm_head:
