@@ -153,6 +153,36 @@ def test_eagle_loss_matches_torch():
     np.testing.assert_allclose(float(ms["vloss"]), vloss.item(), rtol=1e-5)
 
 
+def test_eagle_draft_vocab_loss():
+    """EAGLE's loss over a draft vocabulary is eagle_loss with the head's rows of it."""
+    from specjax import ModelConfig, init_params
+    from training.losses import eagle_shift
+    from training.methods import lm_head_weight, make_method
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=64)
+    base = init_params(cfg, jax.random.PRNGKey(0), scale=0.5)
+    rng = np.random.default_rng(9)
+    b, t = 2, 10
+    batch = {"tokens": jnp.asarray(rng.integers(0, 40, (b, t)), jnp.int32),
+             "final": jnp.asarray(rng.normal(size=(b, t, 16)), jnp.float32),
+             "mask": jnp.asarray(rng.random((b, t)) > 0.3), "valid": jnp.ones((b, t), bool)}
+    rows = jnp.asarray(rng.permutation(40)[:12].astype(np.int32))
+    frozen = {"base": base, "draft_ids": rows}
+    method = make_method("eagle", draft_vocab_loss=True, noise_std=0.0)
+    params = method.init_params(jax.random.PRNGKey(1), frozen, cfg)
+    got, gm = method.loss(params, frozen, cfg, batch, jax.random.PRNGKey(2))
+    tokens, feats, target, mask = eagle_shift(batch["tokens"], batch["final"], batch["mask"],
+                                              batch["valid"])
+    pred = method.draft(params, base, cfg, tokens, feats, batch["valid"])
+    head = lm_head_weight(base).astype(jnp.float32)
+    want, wm = eagle_loss(pred, target, head[rows], mask)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(float(gm["ploss"]), float(wm["ploss"]), rtol=1e-5)
+    full = eagle_loss(pred, target, head, mask)[1]
+    assert abs(float(full["ploss"]) - float(gm["ploss"])) > 1e-3
+
+
 @pytest.mark.parametrize("name", ["medusa", "redrafter"])
 def test_sampled_loss_positions(name):
     """Scoring a random subset of positions: with every position drawn it is the full loss;

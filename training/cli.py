@@ -70,7 +70,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="EAGLE-3 (default 8192) / ReDrafter (default: all) draft vocabulary: the "
                         "most frequent answer tokens")
     m.add_argument("--draft-vocab-loss", action="store_true",
-                   help="Medusa: score the heads over the draft_ids rows of the shared lm_head "
+                   help="Medusa / EAGLE: the token loss over the draft_ids rows of the lm_head "
                         "only (what decoding drafts from; ~6x cheaper per scored position)")
     e = p.add_argument_group("evaluation")
     e.add_argument("--eval-prompts", type=int, default=20,

@@ -176,6 +176,9 @@ class EagleMethod(TrainMethod):
     v_w: float = losses.EAGLE_V_W
     p_w: float = losses.EAGLE_P_W
     loss_positions: int | None = None  # score the token loss at this many random positions
+    # The token loss over the `draft_ids` rows of the head only (both distributions
+    # renormalised there): what decoding drafts from, a sixth of the full head's cost.
+    draft_vocab_loss: bool = False
     name: str = "eagle"
     kind: str = "eagle"
     num_outputs: int = 1
@@ -222,8 +225,10 @@ class EagleMethod(TrainMethod):
         if self.loss_positions:
             pos, ok = losses.sample_positions(jax.random.fold_in(key, 1), mask,
                                               self.loss_positions)
-        return losses.eagle_loss(pred, target, lm_head_weight(base_params).astype(jnp.float32),
-                                 mask, self.v_w, self.p_w, pos, ok)
+        head = lm_head_weight(base_params).astype(jnp.float32)
+        if self.draft_vocab_loss:
+            head = head[frozen["draft_ids"]]
+        return losses.eagle_loss(pred, target, head, mask, self.v_w, self.p_w, pos, ok)
 
     def constants(self, store, config, init_heads=None):
         return {"draft_ids": frequent_answer_tokens(store, config.vocab_size)}
