@@ -219,6 +219,11 @@ def test_sampled_loss_positions(name):
     elig = np.asarray(labelled(jnp.asarray(mask), 3))
     assert np.all(np.asarray(ok)) and all(elig[r, np.asarray(pos)[r]].all() for r in range(b))
     assert len(set(np.asarray(pos)[0])) == 3
+    # More positions asked for than the batch is long (short sequences batched together): all.
+    pos, ok = sample_positions(key, labelled(jnp.asarray(mask), 3), 4 * t)
+    assert pos.shape == (b, t) and np.array_equal(np.asarray(ok).sum(1), elig.sum(1))
+    assert float(make_method(name, loss_positions=4 * t, **opts).loss(
+        params, {"base": base}, cfg, batch, key)[0]) == pytest.approx(float(want), rel=1e-5)
 
 
 def test_medusa_draft_vocab_loss():

@@ -68,6 +68,7 @@ def sample_positions(key, eligible, n: int):
     subset of each sequence's positions: the vocabulary projections, their cost on CPU, shrink
     by T / n while the batch still spans whole sequences.
     """
+    n = min(n, eligible.shape[1])  # a batch of short sequences: every position
     score = jnp.where(eligible, jax.random.gumbel(key, eligible.shape), -jnp.inf)
     vals, idx = jax.lax.top_k(score, n)
     return idx.astype(jnp.int32), jnp.isfinite(vals)
