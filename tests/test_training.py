@@ -486,6 +486,38 @@ def test_distill_and_features_resume(setup, tmp_path):
             np.testing.assert_array_equal(v, b.sequence(i)[k])
 
 
+def test_extra_data_folders(setup, tmp_path):
+    """--extra-data: a run trains on its own features followed by another folder's, unchanged."""
+    from training.features import FeatureStore
+    from training.train import TrainError, training_store
+
+    prompts2 = tmp_path / "more.jsonl"
+    prompts2.write_text("".join(json.dumps({"id": f"q{i}", "category": CATEGORIES[i % 3],
+                                            "turns": [f"Tell me {i} facts about owls."]}) + "\n"
+                                for i in range(6)))
+    data2 = tmp_path / "data2"
+    run(config("medusa", setup["base"], prompts2, tmp_path / "prep2", data2, until="features",
+               max_prompts=6), progress=False)
+    res = run(config("medusa", setup["base"], setup["prompts"], tmp_path / "o", setup["data"],
+                     steps=4, save_every=4, eval_prompts=0, extra_data=(str(data2),)),
+              progress=False)
+    assert json.loads((Path(res["heads"]) / "specjax.json").read_text())["train_prompts"] == 16
+    root = Path(res["features"])
+    own, other = FeatureStore(root), FeatureStore(data2 / "features" / root.name)
+    both = training_store(root, (str(data2),), setup["data"])
+    assert len(both) == len(own) + len(other) == 16
+    assert list(both.lengths) == list(own.lengths) + list(other.lengths)
+    for i, (st, j) in {0: (own, 0), 9: (own, 9), 10: (other, 0), 15: (other, 5)}.items():
+        for k, v in st.sequence(j).items():
+            np.testing.assert_array_equal(both.sequence(i)[k], v)
+    batch = both.batch([9, 10], 64)
+    assert batch["valid"][1].sum() == min(64, other.lengths[0])
+    with pytest.raises(TrainError, match="run's own data folder"):
+        training_store(root, (str(setup["data"]),), setup["data"])
+    with pytest.raises(TrainError, match=f"has no {root.name} features"):
+        training_store(root, (str(tmp_path / "prep2"),), setup["data"])
+
+
 # ------------------------------------------------------------------------------------------
 # Training runs: loss goes down, resumable with identical state, heads decode losslessly
 
@@ -603,6 +635,9 @@ def test_bad_output_folders_and_heads(setup, tmp_path, capsys):
     # The same run with another batch order.
     assert "group_by_length=False" in error(["--method", "medusa", "--out", str(out),
                                              "--group-by-length", *common])
+    # ... or with more data folders.
+    assert "extra_data=[]" in error(["--method", "medusa", "--out", str(out), "--extra-data",
+                                     str(tmp_path), *common])
     only_heads = tmp_path / "h"
     shutil.copytree(out / "heads", only_heads / "heads")
     assert "holds medusa heads" in error(["--method", "eagle", "--out", str(only_heads), *common])

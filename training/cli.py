@@ -26,6 +26,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="data folder for distillation and features (default OUT/data; share it "
                         "between methods of one base model)")
     d = p.add_argument_group("data")
+    d.add_argument("--extra-data", action="append", default=[], metavar="DIR",
+                   help="also train on the features (same method) of this data folder; repeatable")
     d.add_argument("--max-prompts", type=int, default=1000,
                    help="prompts used, round-robin over categories (0: all)")
     d.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
@@ -110,7 +112,7 @@ def config_from_args(args):
         method_options=tuple(sorted((k, v) for k, v in options.items() if v is not None)),
         init_heads=args.init_heads, eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, until=args.until,
-        only_distilled=args.only_distilled)
+        only_distilled=args.only_distilled, extra_data=tuple(args.extra_data))
 
 
 def run_train(args) -> int:

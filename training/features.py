@@ -197,3 +197,27 @@ class FeatureStore:
             for name in self.spec.names:
                 out[name][r, :n] = s[name][:n]
         return out
+
+
+class FeatureStores(FeatureStore):
+    """Several feature folders of one spec read as one: sequence i runs through them in order.
+
+    Lets a run train on answers distilled in other data folders (e.g. an earlier batch of
+    prompts) without extracting their features again.
+    """
+
+    def __init__(self, stores: Sequence[FeatureStore]):
+        first = stores[0]
+        for st in stores[1:]:
+            if st.spec != first.spec or st.hidden_size != first.hidden_size:
+                raise ValueError(f"features in {st.root} ({st.spec.key}, hidden size "
+                                 f"{st.hidden_size}) do not match {first.root} ({first.spec.key}, "
+                                 f"hidden size {first.hidden_size})")
+        self.parts = list(stores)
+        self.root, self.meta, self.spec = first.root, first.meta, first.spec
+        self.lengths = np.concatenate([st.lengths for st in stores])
+        self.starts = np.cumsum([0] + [len(st) for st in stores])
+
+    def sequence(self, i: int) -> dict[str, np.ndarray]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[k].sequence(i - int(self.starts[k]))

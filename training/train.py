@@ -15,7 +15,7 @@ import functools
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -351,6 +351,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     until: str = "evaluate"  # last stage: distill, features, train or evaluate
     only_distilled: bool = False  # train on the selected prompts already answered, answer none
+    extra_data: tuple = ()  # other data folders whose features are trained on as well
 
     def optim(self) -> OptimConfig:
         return OptimConfig(lr=self.lr, steps=self.steps, warmup=self.warmup,
@@ -381,12 +382,12 @@ def check_out_dir(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> None:
             raise TrainError(f"output folder {out} holds heads for hidden_size "
                              f"{old.get('hidden_size')} / vocab_size {old.get('vocab_size')}; the "
                              f"base model has hidden_size {hidden_size} / vocab_size {vocab_size}")
-        new = dataclasses.asdict(cfg)
-        new["method_options"] = [list(p) for p in cfg.method_options]
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        new = _as_json(dataclasses.asdict(cfg))
+        defaults = _as_json({f.name: f.default for f in dataclasses.fields(TrainConfig)
+                             if f.default is not dataclasses.MISSING})
         for k, v in new.items():
             # a setting newer than the run's file had its default there
-            was = old["config"].get(k, defaults[k])
+            was = old["config"].get(k, defaults.get(k))
             if k not in _RESUMABLE and was != v:
                 raise TrainError(f"output folder {out} holds a run with {k}={was!r}, "
                                  f"not {v!r}: use another --out (or the same settings to resume)")
@@ -410,10 +411,14 @@ def _method_kind(name: str) -> str:
 def _write_run_file(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    d = dataclasses.asdict(cfg)
-    d["method_options"] = [list(p) for p in cfg.method_options]
     (out / RUN_FILE).write_text(json.dumps({"method": cfg.method, "hidden_size": hidden_size,
-                                            "vocab_size": vocab_size, "config": d}, indent=2))
+                                            "vocab_size": vocab_size,
+                                            "config": dataclasses.asdict(cfg)}, indent=2))
+
+
+def _as_json(d: dict) -> dict:
+    """d as the run file stores it (tuples become lists), so settings compare equal."""
+    return json.loads(json.dumps(d))
 
 
 def select_prompts(cfg: TrainConfig, records, tokenizer):
@@ -435,6 +440,31 @@ def select_prompts(cfg: TrainConfig, records, tokenizer):
     held = spread_over_categories(sub, cfg.eval_prompts,
                                   lambda j: sub[j].is_text or fits(rest[j]))
     return train, [rest[j] for j in held]
+
+
+def training_store(root: Path, extra_data: Sequence[str], data_dir: Path) -> FeatureStore:
+    """The features of this run's data folder, followed by those of the same spec in extra_data."""
+    from training.features import FEATURES_DIR, FeatureStores
+
+    store = FeatureStore(root)
+    if not extra_data:
+        return store
+    parts = [store]
+    for d in extra_data:
+        if Path(d).resolve() == Path(data_dir).resolve():
+            raise TrainError(f"--extra-data {d} is the run's own data folder")
+        sub = Path(d) / FEATURES_DIR / root.name
+        if not (sub / "meta.json").exists():
+            raise TrainError(f"--extra-data {d} has no {root.name} features: extract them with "
+                             f"--data {d} --until features first")
+        try:
+            parts.append(FeatureStore(sub))
+        except ValueError as e:
+            raise TrainError(f"--extra-data {d}: {e}") from None
+    try:
+        return FeatureStores(parts)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
 
 
 def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = True,
@@ -481,7 +511,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     result["features"] = str(root)
     if cfg.until == "features":
         return result
-    store = FeatureStore(root)
+    store = training_store(root, cfg.extra_data, cfg.data_dir)
     constants = method.constants(store, config, cfg.init_heads)
     t0 = time.perf_counter()
     state = fit(method, config, model.params, store, cfg.out, cfg.optim(),
@@ -496,7 +526,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     variables, meta = method.export(jax.device_get(state.params), jax.device_get(constants),
                                     config)
     meta.update({"base_model": cfg.base, "trained_steps": int(state.step),
-                 "train_prompts": len(rows), "prompts_file": Path(cfg.prompts).name})
+                 "train_prompts": len(store), "prompts_file": Path(cfg.prompts).name})
     heads = save_heads(Path(cfg.out) / HEADS_DIR, method.kind, variables, meta)
     result["heads"] = str(heads)
     if cfg.until == "train" or not eval_idx:
