@@ -501,6 +501,7 @@ def test_extra_data_folders(setup, tmp_path):
     res = run(config("medusa", setup["base"], setup["prompts"], tmp_path / "o", setup["data"],
                      steps=4, save_every=4, eval_prompts=0, extra_data=(str(data2),)),
               progress=False)
+    assert res["train_sequences"] == 16
     assert json.loads((Path(res["heads"]) / "specjax.json").read_text())["train_prompts"] == 16
     root = Path(res["features"])
     own, other = FeatureStore(root), FeatureStore(data2 / "features" / root.name)

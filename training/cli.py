@@ -123,6 +123,8 @@ def run_train(args) -> int:
     res = run(cfg, stop_after=args.stop_after, progress=not args.no_progress)
     err = sys.stderr
     print(f"data: {cfg.data_dir} ({res.get('sequences', 0)} sequences)", file=err)
+    if cfg.extra_data and "train_sequences" in res:
+        print(f"trained on {res['train_sequences']} sequences with --extra-data", file=err)
     if "heads" in res:
         print(f"heads: {res['heads']}", file=err)
     elif "state" in res:

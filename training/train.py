@@ -512,6 +512,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     if cfg.until == "features":
         return result
     store = training_store(root, cfg.extra_data, cfg.data_dir)
+    result["train_sequences"] = len(store)
     constants = method.constants(store, config, cfg.init_heads)
     t0 = time.perf_counter()
     state = fit(method, config, model.params, store, cfg.out, cfg.optim(),
