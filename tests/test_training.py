@@ -517,6 +517,12 @@ def test_extra_data_folders(setup, tmp_path):
         training_store(root, (str(setup["data"]),), setup["data"])
     with pytest.raises(TrainError, match=f"has no {root.name} features"):
         training_store(root, (str(tmp_path / "prep2"),), setup["data"])
+    wide = tmp_path / "wide" / "features" / root.name  # another base model's features
+    shutil.copytree(data2 / "features" / root.name, wide)
+    meta = json.loads((wide / "meta.json").read_text())
+    (wide / "meta.json").write_text(json.dumps({**meta, "hidden_size": meta["hidden_size"] * 2}))
+    with pytest.raises(TrainError, match="do not match"):
+        training_store(root, (str(tmp_path / "wide"),), setup["data"])
 
 
 # ------------------------------------------------------------------------------------------
