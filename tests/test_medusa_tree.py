@@ -13,21 +13,18 @@ import pytest
 from specjax import ModelConfig, init_params
 from specjax.model import lm_head_weight
 from specjax.proposers.medusa import MedusaProposer
-from training.medusa_tree import (expected_accepted, fit_tree, main, prefix_counts,
-                                  true_ranks)
+from training.medusa_tree import (decoded_tokens_per_step, expected_accepted, fit_tree, main,
+                                  prefix_counts, true_ranks)
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=512)
 
 
 def _accepted(row, tree, max_rank):
-    """Drafted tokens a step accepts: the depth of the true path's last node in the tree."""
-    n = 0
-    for d in range(1, len(row) + 1):
-        if row[d - 1] < 0 or row[d - 1] >= max_rank or tuple(row[:d]) not in tree:
-            break
-        n = d
-    return n
+    """Drafted tokens a step accepts: the longest prefix of the true ranks that is a node."""
+    ok = [all(0 <= r < max_rank for r in row[:d]) and tuple(row[:d]) in tree
+          for d in range(1, len(row) + 1)]
+    return ok.index(False) if False in ok else len(ok)
 
 
 def _skewed_ranks(rng, n, k, max_rank):
@@ -48,6 +45,16 @@ def test_estimate_is_the_mean_accepted_length():
             assert len(p) == 1 or tree.index(p[:-1]) < i
         direct = 1 + np.mean([_accepted(r, set(tree), 6) for r in ranks])
         assert expected_accepted(counts, len(ranks), tree) == pytest.approx(direct)
+
+
+def test_decoding_steps_over_the_answers():
+    """Each step starts after the previous one's accepted drafts and its own token."""
+    ranks = np.array([[0, 0], [0, 5], [1, 0], [0, 0], [2, 0], [0, -1], [3, 3]])
+    tree = [(0,), (0, 0), (1,)]
+    # sequence 1 (rows 0-3): row 0 takes 2 + 1 tokens, row 3 another 2 + 1; sequence 2 (rows
+    # 4-6): row 4 none (1 token), row 5 one + 1.
+    assert decoded_tokens_per_step(ranks, np.array([0, 4, 7]), tree, 10) == (3 + 3 + 1 + 2) / 4
+    assert decoded_tokens_per_step(ranks, np.array([0, 7]), tree, 1) == (3 + 3 + 1) / 3
 
 
 def test_fitted_tree_is_the_best_of_its_size():
@@ -102,7 +109,7 @@ def test_ranks_are_where_the_proposer_drafts_the_true_token():
                           rng.integers(0, CFG.vocab_size, length)).astype(np.int32)
         seqs.append({"tokens": tokens, "mask": np.arange(length) >= prompt,
                      "final": rng.normal(size=(length, CFG.hidden_size)).astype(np.float16)})
-    ranks = true_ranks(proposer, params, _Store(seqs), chunk=8)
+    ranks, offsets = true_ranks(proposer, params, _Store(seqs), chunk=8)
 
     rows_seen = 0
     for s in seqs:
@@ -122,6 +129,7 @@ def test_ranks_are_where_the_proposer_drafts_the_true_token():
                 assert ranks[rows_seen, j] == want, (t, j)
             rows_seen += 1
     assert rows_seen == len(ranks) == 7 + 2 + 3
+    assert offsets.tolist() == [0, 7, 9, 12]
     assert (ranks == -1).any() and (ranks >= 0).any()
 
 

@@ -42,10 +42,11 @@ def _label_ranks(proposer, head_params, lm_head, features, labels):
 
 
 def true_ranks(proposer, params, store, num_sequences: int | None = None,
-               chunk: int = 1024) -> np.ndarray:
-    """int32[P, K]: at every answer position of the store's first `num_sequences` sequences, the
-    rank of the true token k + 1 places after the pending one in head k's drafting order (-1 when
-    it cannot be drafted: not in the heads' draft vocabulary, or past the answer's end).
+               chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """(int32[P, K], int64[S + 1]): at every answer position of the store's first
+    `num_sequences` sequences, the rank of the true token k + 1 places after the pending one in
+    head k's drafting order (-1 when it cannot be drafted: not in the heads' draft vocabulary,
+    or past the answer's end); and where each sequence's rows start (consecutive positions).
 
     (proposer, params) as `make_proposer("medusa", ...)` returns them; features are the
     target's final hidden states, as decoding feeds them to the heads."""
@@ -69,6 +70,7 @@ def true_ranks(proposer, params, store, num_sequences: int | None = None,
             lab = np.where(lab >= 0, index[np.maximum(lab, 0)], -1)
         feats.append(np.asarray(seq["final"][t]))
         labels.append(lab)
+    offsets = np.cumsum([0] + [len(x) for x in labels])
     labels = np.concatenate(labels) if labels else np.zeros((0, k), np.int64)
     if not len(labels):
         raise ValueError("the features hold no answer positions with a label")
@@ -84,7 +86,7 @@ def true_ranks(proposer, params, store, num_sequences: int | None = None,
         r = _label_ranks(proposer, params["heads"], lm_head, jnp.asarray(x, dtype),
                          jnp.asarray(lab, jnp.int32))
         out.append(np.asarray(r)[:len(labels) - s])
-    return np.concatenate(out)
+    return np.concatenate(out), offsets
 
 
 def prefix_counts(ranks: np.ndarray, max_rank: int) -> collections.Counter:
@@ -113,6 +115,34 @@ def expected_accepted(counts: collections.Counter, num_positions: int, choices) 
     return 1.0 + sum(counts.get(tuple(p), 0) for p in choices) / num_positions
 
 
+def decoded_tokens_per_step(ranks: np.ndarray, offsets: np.ndarray, choices,
+                            max_rank: int) -> float:
+    """Tokens per target pass greedy decoding would take over these answers with this tree.
+
+    Each step starts where the previous one's accepted tokens end, so steps land on the
+    positions the heads get wrong more often than a mean over all positions would weigh them
+    (`expected_accepted` is an upper bound of this)."""
+    tree = {tuple(p) for p in choices}
+    tokens = steps = 0
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        i = a
+        while i < b:
+            n = accepted_drafts(ranks[i], tree, max_rank)
+            steps += 1
+            tokens += n + 1
+            i += n + 1
+    return tokens / max(steps, 1)
+
+
+def accepted_drafts(row, tree: set, max_rank: int) -> int:
+    """Drafted tokens a step accepts when the true tokens have these ranks: the depth of the
+    deepest tree node on their path."""
+    n = 0
+    while n < len(row) and 0 <= row[n] < max_rank and tuple(int(r) for r in row[:n + 1]) in tree:
+        n += 1
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", required=True, help="specjax Medusa head checkpoint")
@@ -132,10 +162,10 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"medusa_tree: error: {e}", file=sys.stderr)
         return 2
-    for n, tree in result["trees"].items():
-        print(f"{n:>4} nodes: {tree['expected_accepted']:.3f} tokens per step (estimate)")
-    for name, value in result["reference"].items():
-        print(f"{name}: {value:.3f} tokens per step (estimate)")
+    print(f"{result['positions']} positions of {result['sequences']} answers; tokens per target "
+          f"pass: mean over positions / greedy decoding of the answers")
+    for n, tree in {**result["trees"], **result["reference"]}.items():
+        print(f"{n:>12}: {tree['expected_accepted']:.3f} / {tree['decoded']:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"trees written to {args.out}")
@@ -159,7 +189,8 @@ def find_final_features(data) -> Path:
 
 def fit_trees(heads, data, base="smollm2-135m", nodes=(4, 8, 16, 32, 63), max_rank=10,
               sequences=500) -> dict:
-    """{"positions", "trees": {n: {"choices", "expected_accepted"}}, "reference": {...}}."""
+    """{"positions", "trees": {n: {"choices", "expected_accepted", "decoded"}}, "reference":
+    the same for the named trees}."""
     from specjax.loading import load_model
     from specjax.methods import make_proposer
     from specjax.proposers.medusa import MEDUSA_TREES
@@ -173,15 +204,16 @@ def fit_trees(heads, data, base="smollm2-135m", nodes=(4, 8, 16, 32, 63), max_ra
         raise ValueError(f"features of hidden size {store.hidden_size} do not match the base "
                          f"model's {model.config.hidden_size}")
     proposer, params = make_proposer("medusa", model, heads=str(heads), medusa_choices=[[0]])
-    ranks = true_ranks(proposer, params, store, sequences)
+    ranks, offsets = true_ranks(proposer, params, store, sequences)
     counts = prefix_counts(ranks, max_rank)
-    trees = {}
-    for n in nodes:
-        choices = fit_tree(counts, n)
-        trees[str(n)] = {"choices": [list(p) for p in choices],
-                         "expected_accepted": expected_accepted(counts, len(ranks), choices)}
-    reference = {name: expected_accepted(counts, len(ranks),
-                                         [p for p in tree if len(p) <= proposer.num_heads])
+
+    def scores(choices):
+        return {"choices": [list(p) for p in choices],
+                "expected_accepted": expected_accepted(counts, len(ranks), choices),
+                "decoded": decoded_tokens_per_step(ranks, offsets, choices, max_rank)}
+
+    trees = {str(n): scores(fit_tree(counts, n)) for n in nodes}
+    reference = {name: scores([p for p in tree if len(p) <= proposer.num_heads])
                  for name, tree in MEDUSA_TREES.items()}
     top1 = [float(np.mean(ranks[:, j] == 0)) for j in range(ranks.shape[1])]
     return {"heads": str(heads), "features": str(store.root), "positions": int(len(ranks)),
