@@ -120,8 +120,8 @@ def decoded_tokens_per_step(ranks: np.ndarray, offsets: np.ndarray, choices,
     """Tokens per target pass greedy decoding would take over these answers with this tree.
 
     Each step starts where the previous one's accepted tokens end, so steps land on the
-    positions the heads get wrong more often than a mean over all positions would weigh them
-    (`expected_accepted` is an upper bound of this)."""
+    positions the heads get wrong more often than a mean over all positions weighs them (this
+    comes out below `expected_accepted`)."""
     tree = {tuple(p) for p in choices}
     tokens = steps = 0
     for a, b in zip(offsets[:-1], offsets[1:]):
