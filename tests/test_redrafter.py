@@ -3,6 +3,7 @@ apple/ml-recurrent-drafter checkpoints checked against a PyTorch forward of the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -147,6 +148,16 @@ def test_greedy_equals_vanilla(tiny):
         assert all(s <= 16 for s in spec.steps)
 
 
+def test_single_beam_decodes_as_a_chain(tiny):
+    """One beam drafts a chain: commit keeps its K/V in place (is_chain), output equals vanilla."""
+    model, heads, eng = tiny
+    proposer, pparams = rd.make_redrafter(model, heads, num_beams=1, draft_len_per_beam=3)
+    assert proposer.is_chain and not rd.make_redrafter(model, heads)[0].is_chain
+    vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
+    spec = eng.generate(PROMPTS, 16, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    assert spec.token_ids == vanilla.token_ids
+
+
 def test_reduced_draft_vocabulary(tiny, tmp_path):
     """Heads over a reduced draft vocabulary (draft_ids): beams hold only those target ids, the
     checkpoint round-trips, and output equals vanilla."""
@@ -194,7 +205,7 @@ def test_sampled_beams_decode_losslessly(tiny):
 def test_oracle_drafter_accepts_whole_beams(tiny):
     """A drafter whose head is the target's own LM head over h (ResBlocks the identity, the RNN
     half zeroed) drafts the target's next token at every depth; a model stuck repeating one
-    token accepts whole beams. (Shapes as in test_greedy_equals_vanilla: no new compiles.)"""
+    token accepts whole beams, with 5 beams and with one (a chain)."""
     model, _, _ = tiny
     cfg = model.config
     loop = dict(model.params)  # every token but 7 embeds alike (tied: the LM head too)
@@ -208,11 +219,12 @@ def test_oracle_drafter_accepts_whole_beams(tiny):
     drafter["resblocks"] = jax.tree_util.tree_map(jnp.zeros_like, drafter["resblocks"])
     drafter["lm_head"] = jnp.concatenate(
         [lm_head_weight(loop), jnp.zeros((cfg.vocab_size, cfg.hidden_size))], axis=1)
-    spec = eng.generate(PROMPTS[:1], 16, eos_token_ids=(), proposer=proposer,
-                        proposer_params={"drafter": drafter, "embed": loop["embed"]})
-    assert spec.token_ids == vanilla.token_ids
-    assert spec.steps[0] == math.ceil(16 / 6)  # root + 5 accepted drafts per step
-    assert spec.mean_accepted[0] > 1
+    one_beam = dataclasses.replace(proposer, num_beams=1, draft_len_per_beam=3)  # a chain
+    for prop, per_step in ((proposer, 6), (one_beam, 4)):  # root + all drafts accepted
+        spec = eng.generate(PROMPTS[:1], 16, eos_token_ids=(), proposer=prop,
+                            proposer_params={"drafter": drafter, "embed": loop["embed"]})
+        assert spec.token_ids == vanilla.token_ids
+        assert spec.steps[0] == math.ceil(16 / per_step)
 
 
 # ----------------------------------------------------------------------------- converter

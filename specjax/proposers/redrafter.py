@@ -212,7 +212,6 @@ class ReDrafterProposer:
     greedy_search: bool = True  # redrafter_greedy_search
     warp_top_k: int | None = 50  # the reference's top-k logit warp in beam search (None: off)
     rule: str = "match"
-    is_chain: bool = False
 
     def __post_init__(self):
         if self.exit_dim is None:
@@ -229,6 +228,11 @@ class ReDrafterProposer:
     @property
     def tree_size(self) -> int:
         return 1 + self.num_beams * self.draft_len_per_beam
+
+    @property
+    def is_chain(self) -> bool:
+        """One beam drafts a chain, already in place after verify (commit moves no K/V)."""
+        return self.num_beams == 1
 
     def init_params(self, key, scale: float = 1.0) -> dict:
         return init_params(key, self.hidden_size, self.vocab_size, exit_dim=self.exit_dim,
