@@ -9,7 +9,8 @@ drafting costs). On a GPU cost(T) is nearly flat in T; on a CPU the small matrix
 compute-bound, which caps every method's speedup. Each width is timed inside one jitted
 `fori_loop` with the cache donated (so no pool is copied between calls), the K/V writes deferred
 as in `verify_pruned`, logits for every node. The parts: the whole forward, the decoder without
-the lm_head, the MLPs alone and the lm_head alone.
+the lm_head, the MLPs alone and the lm_head alone; and a whole T-node chain through
+`verify_pruned` itself (which pads 5-7 nodes to 8 and 9-15 to 16, the widths this measures).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import jax.numpy as jnp
 from specjax import load_model
 from specjax.bench import machine
 from specjax.cache import PagedKVCache, init_pages, pages_needed
+from specjax.draft_tree import chain
 from specjax.model import _mlp_block, compute_logits, forward
+from specjax.verify import verify_pruned
 
 
 def loop_ms(body, params, carry, iters: int, repeats: int = 3) -> float:
@@ -78,9 +81,16 @@ def measure(model, widths, context: int, iters: int) -> list[dict]:
             cache, acc = c
             return cache, acc + compute_logits(p, p["embed"][tokens(acc)])[0, -1, 0]
 
+        def pruned(p, c):
+            cache, acc = c
+            toks = tokens(acc)
+            tree = chain(toks[:, 0], toks[:, 1:], jnp.full((1,), w - 1, jnp.int32))
+            logits, _, cache = verify_pruned(p, config, cache, tree)
+            return cache, acc + logits[0, -1, 0]
+
         parts = {}
         for name, body in [("forward", whole), ("no_head", lambda p, c: whole(p, c, False)),
-                           ("mlps", mlps), ("lm_head", head)]:
+                           ("mlps", mlps), ("lm_head", head), ("verify_pruned", pruned)]:
             carry = (cache_at(config, context, w), jnp.float32(0))
             parts[name] = loop_ms(body, params, carry, iters)
         rows.append({"width": w, **{k: round(v, 2) for k, v in parts.items()}})
@@ -93,11 +103,12 @@ def measure(model, widths, context: int, iters: int) -> list[dict]:
 def markdown(rows, context: int) -> str:
     out = [f"Target forward over T new tokens after {context} committed ones (ms; "
            "`cost_vs_width_1` = tokens per step needed to break even)", "",
-           "| T | forward | decoder without lm_head | MLPs only | lm_head only | cost vs T=1 |",
-           "|---|---|---|---|---|---|"]
+           "| T | forward | decoder without lm_head | MLPs only | lm_head only | cost vs T=1 | "
+           "`verify_pruned` |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['width']} | {r['forward']} | {r['no_head']} | {r['mlps']} | "
-                   f"{r['lm_head']} | {r['cost_vs_width_1']}x |")
+                   f"{r['lm_head']} | {r['cost_vs_width_1']}x | {r['verify_pruned']} |")
     return "\n".join(out)
 
 

@@ -15,28 +15,47 @@ from specjax.model import ForwardOutput, forward, write_new_kv
 
 
 def verify(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree, *,
-           hidden_layers: Sequence[int] = (), defer_kv_write: bool = False) -> ForwardOutput:
+           hidden_layers: Sequence[int] = (), defer_kv_write: bool = False,
+           written=None) -> ForwardOutput:
     """Target logits [B, T, V] at every node of the trees, in one pass.
 
     Node i's K/V goes to the scratch slot cache.lengths + i (after the committed prefix), its RoPE
     position is cache.lengths + depth[i], and it attends to the prefix, its ancestors and itself.
     The cache's lengths are unchanged: `commit` keeps the accepted nodes. defer_kv_write: see
-    `model.forward`.
+    `model.forward`. written (bool[B, T], default all): nodes whose K/V is stored; the others
+    are padding that no node sees.
     """
     return forward(params, config, tree.tokens, tree_positions(tree, cache.lengths), cache,
-                   ancestor_mask(tree), hidden_layers=hidden_layers, defer_kv_write=defer_kv_write)
+                   ancestor_mask(tree), valid=written, hidden_layers=hidden_layers,
+                   defer_kv_write=defer_kv_write)
+
+
+def padded_width(tree_size: int) -> int:
+    """The width a whole tree is verified at: 5-7 nodes as 8 and 9-15 as 16, because XLA:CPU's
+    matrix products over those row counts cost more than over 8 or 16 rows (README, "What one
+    verify pass costs"); padding costs little on a GPU."""
+    return 8 if 4 < tree_size < 8 else 16 if 8 < tree_size < 16 else tree_size
 
 
 def verify_widths(tree_size: int) -> tuple[int, ...]:
     """The static widths a tree of `tree_size` nodes may be verified at (see verify_pruned)."""
-    return tuple(sorted({1, tree_size} | {w for w in (4, 8, 16, 64) if w < tree_size}))
+    return tuple(sorted({1, padded_width(tree_size)}
+                        | {w for w in (4, 8, 16, 64) if w < tree_size}))
 
 
-def _prefix(tree: DraftTree, w: int) -> DraftTree:
-    logq = None if tree.draft_logprobs is None else tree.draft_logprobs[:, :w]
-    ok = None if tree.acceptable is None else tree.acceptable[:, :w]
-    return DraftTree(tree.tokens[:, :w], tree.parent[:, :w], tree.depth[:, :w], tree.valid[:, :w],
-                     logq, ok)
+def _to_width(x, w: int, value=0):
+    """x [B, T, ...] cut or padded with `value` along axis 1 to w entries."""
+    t = x.shape[1]
+    if w <= t:
+        return x[:, :w]
+    return jnp.pad(x, ((0, 0), (0, w - t)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
+
+
+def _resize(tree: DraftTree, w: int) -> DraftTree:
+    """The trees' first w nodes, or the trees padded with invalid nodes to w."""
+    fit = lambda x, value=0: None if x is None else _to_width(x, w, value)  # noqa: E731
+    return DraftTree(fit(tree.tokens), fit(tree.parent, -1), fit(tree.depth),
+                     fit(tree.valid, False), fit(tree.draft_logprobs), fit(tree.acceptable, False))
 
 
 def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
@@ -50,7 +69,7 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
     cache); with `feature_layers` the hidden states are those layers' outputs concatenated
     (EAGLE-3's features) instead of the final normed state.
     """
-    t = tree.size
+    b, t = tree.tokens.shape
     widths = verify_widths(t)
     node = jnp.arange(t, dtype=jnp.int32)
     needed = jnp.max(jnp.where(tree.valid, node[None, :] + 1, 1))
@@ -61,16 +80,14 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
 
     def run(w):
         def f(cache):
-            out = verify(params, config, cache, _prefix(tree, w), hidden_layers=feature_layers,
-                         defer_kv_write=defer)
+            written = None if w <= t else jnp.broadcast_to(jnp.arange(w) < t, (b, w))
+            out = verify(params, config, cache, _resize(tree, w), hidden_layers=feature_layers,
+                         defer_kv_write=defer, written=written)
             hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
-            pad = ((0, 0), (0, t - w), (0, 0))
-            padded = (jnp.pad(out.logits, pad), jnp.pad(hidden, pad))
+            outs = (_to_width(out.logits, t), _to_width(hidden, t))
             if not defer:
-                return padded + (out.cache,)
-            kv_pad = ((0, 0), (0, t - w), (0, 0), (0, 0))
-            new_kv = jax.tree_util.tree_map(lambda a: jnp.pad(a, kv_pad), out.new_kv)
-            return padded + (new_kv,)
+                return outs + (out.cache,)
+            return outs + (jax.tree_util.tree_map(lambda a: _to_width(a, t), out.new_kv),)
         return f
 
     logits, hidden, out = jax.lax.switch(branch, [run(w) for w in widths], cache)

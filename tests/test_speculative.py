@@ -502,12 +502,8 @@ def test_tree_verify_equals_per_path_chains(verify_setup, batch):
     assert err < 1e-4, err
 
 
-def test_verify_with_deferred_writes_equals_written(target, monkeypatch):
-    """verify_pruned's branches return their K/V (written after lax.switch, so XLA updates the
-    pools in place): logits and the resulting pools equal those of writing inside the pass, and
-    the compiled speculative loop copies no pool."""
-    import specjax.verify as verify_mod
-
+def _two_prefilled_trees(target, valid):
+    """A cache holding two prefilled prompts (7 and 3 tokens) and a 7-node tree for each."""
     b, per_seq = 2, 6
     k_pages, v_pages = init_pages(CFG, b * per_seq, PAGE)
     table = jnp.asarray(np.arange(b * per_seq).reshape(b, per_seq), jnp.int32)
@@ -518,9 +514,20 @@ def test_verify_with_deferred_writes_equals_written(target, monkeypatch):
     depth = np.zeros_like(parent)
     for i in range(1, parent.shape[1]):
         depth[:, i] = depth[np.arange(b), parent[:, i]] + 1
-    valid = np.array([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0]], bool)
     tree = DraftTree(tokens=jnp.asarray(np.arange(14).reshape(b, 7) % V, jnp.int32),
                      parent=jnp.asarray(parent), depth=jnp.asarray(depth), valid=jnp.asarray(valid))
+    return cache, tree
+
+
+def test_verify_with_deferred_writes_equals_written(target, monkeypatch):
+    """verify_pruned's branches return their K/V (written after lax.switch, so XLA updates the
+    pools in place): logits and the resulting pools equal those of writing inside the pass, and
+    the compiled speculative loop copies no pool."""
+    import specjax.verify as verify_mod
+
+    b = 2
+    valid = np.array([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0]], bool)
+    cache, tree = _two_prefilled_trees(target, valid)
     from specjax.verify import verify_pruned
 
     run = jax.jit(lambda cache, tree: verify_pruned(target, CFG, cache, tree))
@@ -547,6 +554,27 @@ def test_verify_with_deferred_writes_equals_written(target, monkeypatch):
     pool = "f32[" + ",".join(map(str, cache.k_pages[0].shape)) + "]"
     copies = [line for line in hlo.splitlines() if pool in line and " copy(" in line]
     assert not copies, copies[:3]
+
+
+@pytest.mark.parametrize("backend", ["xla", "written"])
+def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
+    """A whole 7-node tree is verified padded to 8 nodes: its logits, features and pools equal
+    those of one unpadded pass, and the padding writes nothing."""
+    import specjax.verify as verify_mod
+
+    assert [verify_mod.padded_width(t) for t in (1, 4, 5, 7, 8, 9, 15, 16, 20, 64)] == \
+        [1, 4, 8, 8, 8, 16, 16, 16, 20, 64]
+    assert verify_mod.verify_widths(7) == (1, 4, 8) and verify_mod.verify_widths(9) == (1, 4, 8, 16)
+    cache, tree = _two_prefilled_trees(target, np.ones((2, 7), bool))
+    monkeypatch.setattr(verify_mod, "attention_backend", lambda: backend)
+    logits, hidden, got = jax.jit(
+        lambda cache, tree: verify_mod.verify_pruned(target, CFG, cache, tree))(cache, tree)
+    want = jax.jit(lambda cache, tree: verify(target, CFG, cache, tree))(cache, tree)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
+    for a, w in zip(got.k_pages + got.v_pages, want.cache.k_pages + want.cache.v_pages):
+        np.testing.assert_allclose(np.asarray(a)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5,
+                                   atol=1e-5)  # (the last page is the write sink)
 
 
 # ---------------------------------------------------------------------------------------------
