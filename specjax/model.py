@@ -125,9 +125,8 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
-    if defer_write:  # attend over a gathered copy holding the new rows; the pools stay as they are
-        attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, slots, write_ok,
-                                    keys_seen)
+    if defer_write:  # attend over the gathered slots and the new rows; the pools stay as they are
+        attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
         return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     # Pallas kernel on GPU, XLA reference elsewhere (kernels_pallas.dispatch). Without a sliding
@@ -139,20 +138,29 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
 
 
-def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, slots, write_ok, keys_seen):
-    """Attention as if k, v [B, T, KVH, D] were written at `slots`, without writing the pools.
+def unwritten_keys_mask(keys_seen, slots, write_ok):
+    """bool[B, T, S + T]: `keys_seen` [B, T, S] for attention over the gathered slots followed by
+    the T new rows (`_attention_unwritten`), which would be written at slots [B, T] where
+    write_ok: the slots they would overwrite are hidden, and new row j is seen where its slot is.
+
+    Appending the rows, a concatenation XLA fuses with the gather, made a 4-token pass of
+    SmolLM2 1-1.8 ms faster than scattering them into the gathered copy (A/B, AMD EPYC).
+    """
+    b, t = slots.shape
+    num_slots = keys_seen.shape[-1]
+    covered = jnp.any((slots[:, :, None] == jnp.arange(num_slots)) & write_ok[:, :, None], axis=1)
+    at_slots = jnp.broadcast_to(jnp.clip(slots, 0, num_slots - 1)[:, None, :], (b, t, t))
+    seen_new = jnp.take_along_axis(keys_seen, at_slots, axis=2) & write_ok[:, None, :]
+    return jnp.concatenate([keys_seen & ~covered[:, None, :], seen_new], axis=2)
+
+
+def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):
+    """Attention as if k, v [B, T, KVH, D] were written, without writing the pools; mask from
+    `unwritten_keys_mask`.
 
     XLA cannot update buffers in place across the branches of a `lax.switch` (it copies every
     pool in and out of the branch each step); a verify pass inside one defers its writes instead.
     """
-    num_slots, t = keys_seen.shape[-1], slots.shape[1]
-    # The new rows go after the gathered slots, and the slots they would overwrite are hidden:
-    # a concatenation XLA fuses with the gather, where scattering them into the gathered copy
-    # made a 4-token pass of SmolLM2 1-1.8 ms slower (A/B in one process, AMD EPYC).
-    covered = jnp.any((slots[:, :, None] == jnp.arange(num_slots)) & write_ok[:, :, None], axis=1)
-    at_slots = jnp.broadcast_to(jnp.clip(slots, 0, num_slots - 1)[:, None, :], (q.shape[0], t, t))
-    seen_new = jnp.take_along_axis(keys_seen, at_slots, axis=2) & write_ok[:, None, :]
-    mask = jnp.concatenate([keys_seen & ~covered[:, None, :], seen_new], axis=2)
     k_all = jnp.concatenate([gather_pages(k_pages, block_tables),
                              jnp.moveaxis(k, 2, 0).astype(k_pages.dtype)], axis=2)
     v_all = jnp.concatenate([gather_pages(v_pages, block_tables),
@@ -224,6 +232,8 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
         tree_mask = tree_mask & valid[:, None, :]
     cos, sin = rope_cos_sin(config, positions)
     keys_seen = key_mask(config, cache, positions, tree_mask)
+    if defer_kv_write:  # once per pass, not per layer
+        keys_seen = unwritten_keys_mask(keys_seen, slots, valid)
     captured = {}
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
     new_k, new_v = [], []
