@@ -174,13 +174,45 @@ def test_eagle_draft_vocab_loss():
     got, gm = method.loss(params, frozen, cfg, batch, jax.random.PRNGKey(2))
     tokens, feats, target, mask = eagle_shift(batch["tokens"], batch["final"], batch["mask"],
                                               batch["valid"])
-    pred = method.draft(params, base, cfg, tokens, feats, batch["valid"])
+    pred = method.draft(params, base, cfg, batch["tokens"], feats, batch["valid"])[0]
     head = lm_head_weight(base).astype(jnp.float32)
     want, wm = eagle_loss(pred, target, head[rows], mask)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     np.testing.assert_allclose(float(gm["ploss"]), float(wm["ploss"]), rtol=1e-5)
     full = eagle_loss(pred, target, head, mask)[1]
     assert abs(float(full["ploss"]) - float(gm["ploss"])) > 1e-3
+
+
+def test_eagle_training_time_test_loss():
+    """EAGLE with steps=2: step 0's loss plus 0.8 x step 1's, where step 1 at t regresses the
+    feature of t + 2 and counts where t + 1 is scored and t, t + 2 are real tokens."""
+    from specjax import ModelConfig, init_params
+    from training.methods import lm_head_weight, make_method
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=64)
+    base = init_params(cfg, jax.random.PRNGKey(0), scale=0.5)
+    rng = np.random.default_rng(4)
+    b, t = 2, 10
+    mask = rng.random((b, t)) > 0.3
+    valid = np.ones((b, t), bool)
+    valid[1, 7:] = False
+    final = rng.normal(size=(b, t, 16)).astype(np.float32)
+    batch = {"tokens": jnp.asarray(rng.integers(0, 40, (b, t)), jnp.int32),
+             "final": jnp.asarray(final), "mask": jnp.asarray(mask), "valid": jnp.asarray(valid)}
+    method = make_method("eagle", steps=2, noise_std=0.0)
+    params = method.init_params(jax.random.PRNGKey(1), {"base": base}, cfg)
+    got, gm = method.loss(params, {"base": base}, cfg, batch, jax.random.PRNGKey(2))
+    preds = method.draft(params, base, cfg, batch["tokens"], batch["final"], batch["valid"])
+    head = lm_head_weight(base).astype(jnp.float32)
+    pad = lambda x, n: np.concatenate([x[:, n:], np.zeros_like(x[:, :n])], 1)  # noqa: E731
+    m0 = mask & valid & pad(valid, 1)
+    m1 = pad(mask, 1) & pad(valid, 1) & pad(valid, 2) & valid
+    l0 = eagle_loss(preds[0], jnp.asarray(pad(final, 1)), head, jnp.asarray(m0))[0]
+    l1 = eagle_loss(preds[1], jnp.asarray(pad(final, 2)), head, jnp.asarray(m1))[0]
+    np.testing.assert_allclose(float(got), float(l0) + 0.8 * float(l1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gm["loss_k"]), [float(l0), float(l1)], rtol=1e-5)
+    assert gm["acc_k"].shape == (2,)
 
 
 @pytest.mark.parametrize("name", ["medusa", "redrafter"])
@@ -338,58 +370,72 @@ def test_eagle3_loss_matches_numpy():
     np.testing.assert_allclose(float(loss), total, rtol=1e-5)
 
 
-def test_eagle3_unroll_equals_sequential_drafting():
+@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+def test_unroll_equals_sequential_drafting(variant):
     """Step i of the training-time test at position t computes what the draft computes at test
-    time after drafting i tokens from t: a cache of step-0 pairs 0..t, then its own outputs."""
+    time after drafting i tokens from t: a cache of step-0 pairs 0..t, then its own outputs
+    (EAGLE-3's unroll; EAGLE's with --draft-steps > 1)."""
     from specjax import ModelConfig, PagedKVCache, causal_mask, init_params
     from specjax.cache import init_pages
     from specjax.proposers.eagle3_net import (draft_config, eagle3_forward, eagle3_fuse,
                                               eagle3_logprobs)
+    from specjax.proposers.eagle_net import eagle_forward
     from training.methods import make_method
 
     cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=8,
                       num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=128)
     base = init_params(cfg, jax.random.PRNGKey(0), scale=0.5)
-    method = make_method("eagle3", steps=3, draft_vocab_size=24)
     rng = np.random.default_rng(5)
     b, t = 2, 8
     tokens = rng.integers(0, 40, (b, t)).astype(np.int32)
     valid = np.ones((b, t), bool)
     valid[1, 6:] = False
-    layers = method.feature_layers(cfg)
     batch = {"tokens": jnp.asarray(tokens), "valid": jnp.asarray(valid)}
-    for i in set(layers):
-        batch[f"layer_{i}"] = jnp.asarray(rng.normal(size=(b, t, 16)), jnp.float32)
-    kept = np.sort(rng.permutation(40)[:24])
-    frozen = {"base": base, "kept": jnp.asarray(kept), "d2t": jnp.asarray(kept - np.arange(24))}
+    if variant == "eagle3":
+        method = make_method("eagle3", steps=3, draft_vocab_size=24)
+        layers = method.feature_layers(cfg)
+        for i in set(layers):
+            batch[f"layer_{i}"] = jnp.asarray(rng.normal(size=(b, t, 16)), jnp.float32)
+        kept = np.sort(rng.permutation(40)[:24])
+        frozen = {"base": base, "kept": jnp.asarray(kept),
+                  "d2t": jnp.asarray(kept - np.arange(24))}
+        dcfg, forward = draft_config(cfg), eagle3_forward
+    else:
+        method = make_method("eagle", steps=3, num_layers=2)
+        frozen = {"base": base}
+        dcfg, forward = method.draft_config(cfg), eagle_forward
     params = method.init_params(jax.random.PRNGKey(1), frozen, cfg)
     params = jax.tree_util.tree_map(  # break the identity-like init
         lambda a: a + 0.3 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape), params)
-    got = np.asarray(method.unroll(params, frozen, cfg, batch))  # [K, B, T, N]
+    if variant == "eagle3":
+        got = np.asarray(method.unroll(params, frozen, cfg, batch))  # [K, B, T, N]
+        feats = eagle3_fuse(params, jnp.concatenate([batch[f"layer_{i}"] for i in layers], -1))
+        read = lambda h: eagle3_logprobs(params, dcfg, h)[0, 0]  # noqa: E731
+    else:
+        feats = jnp.asarray(rng.normal(size=(b, t, 16)), jnp.float32)
+        got = np.asarray(method.draft(params, base, cfg, batch["tokens"], feats,
+                                      batch["valid"]))  # [K, B, T, D]
+        read = lambda h: h[0, 0]  # noqa: E731
+    assert got.shape[0] == 3
 
-    dcfg = draft_config(cfg)
-    feats = eagle3_fuse(params, jnp.concatenate([batch[f"layer_{i}"] for i in layers], -1))
     nxt = np.concatenate([tokens[:, 1:], np.zeros((b, 1), np.int32)], 1)
     for bi, ti in ((0, 2), (1, 4)):
         k, v = init_pages(dcfg, 1, 32)
         cache = PagedKVCache(k, v, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
         n = ti + 1
-        x, cache = eagle3_forward(params, dcfg, base["embed"], jnp.asarray(nxt[bi:bi + 1, :n]),
-                                  feats[bi:bi + 1, :n], jnp.arange(n)[None], cache,
-                                  causal_mask(1, n))
+        x, cache = forward(params, dcfg, base["embed"], jnp.asarray(nxt[bi:bi + 1, :n]),
+                           feats[bi:bi + 1, :n], jnp.arange(n)[None], cache, causal_mask(1, n))
         cache = cache.replace(lengths=cache.lengths + n)
         h = x[:, -1:]
-        np.testing.assert_allclose(got[0, bi, ti], eagle3_logprobs(params, dcfg, h)[0, 0],
-                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got[0, bi, ti], read(h), rtol=1e-4, atol=1e-4)
         for i in range(1, 3):
             if ti + 1 + i >= t:
                 break
             tok = jnp.asarray([[tokens[bi, ti + 1 + i]]])
-            h, cache = eagle3_forward(params, dcfg, base["embed"], tok, h,
-                                      jnp.asarray([[ti + i]]), cache, causal_mask(1, 1))
+            h, cache = forward(params, dcfg, base["embed"], tok, h, jnp.asarray([[ti + i]]),
+                               cache, causal_mask(1, 1))
             cache = cache.replace(lengths=cache.lengths + 1)
-            np.testing.assert_allclose(got[i, bi, ti], eagle3_logprobs(params, dcfg, h)[0, 0],
-                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got[i, bi, ti], read(h), rtol=1e-4, atol=1e-4)
 
 
 def test_eagle_noise_is_uniform_and_scaled_by_length():

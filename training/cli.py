@@ -63,7 +63,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="Medusa: a vocabulary projection per head (default: the base's, frozen)")
     m.add_argument("--noise-std", type=float, default=None, help="EAGLE feature noise (0.2)")
     m.add_argument("--draft-steps", type=int, default=None,
-                   help="EAGLE-3 training-time-test steps (7) / ReDrafter drafted tokens (5)")
+                   help="EAGLE-3 (7) / EAGLE (1) training-time-test steps; ReDrafter drafted "
+                        "tokens (5)")
     m.add_argument("--loss-positions", type=int, default=None,
                    help="Medusa/ReDrafter/EAGLE: score N random answer positions per sequence "
                         "and step through the vocabulary projection (cheaper steps on CPU; "

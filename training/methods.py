@@ -163,12 +163,42 @@ class MedusaMethod(TrainMethod):
                              medusa_choices=options.get("medusa_choices"))
 
 
+def unroll_draft(forward, params, dcfg: ModelConfig, embed, tokens, features, valid,
+                 steps: int) -> list:
+    """Draft outputs [B, T, D] of each step of the training-time test (EAGLE-3; HASS for EAGLE).
+
+    Step 0 reads (token t + 1, feature t); step i > 0 reads (token t + 1 + i, its own step i - 1
+    output at t). One paged scratch cache: step i writes its K/V at slots i*T + t with RoPE
+    position t + i, and position t attends to step 0's keys at positions <= t and to its own keys
+    of steps 1..i: what the draft cache holds at test time after drafting i tokens from t
+    (SafeAILab's cache_hidden attention).
+    """
+    b, t = tokens.shape
+    embed = embed.astype(jnp.float32)
+    cache = scratch_cache(dcfg, b, steps * t, jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    causal = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]
+    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    h, outs = features, []
+    for i in range(steps):
+        tree_mask = jnp.concatenate([causal] + [eye] * i, axis=-1)  # [B, T, (i+1) T]
+        slots = jnp.broadcast_to(i * t + pos, (b, t))
+        positions = jnp.broadcast_to(pos + i, (b, t))
+        h, cache = forward(params, dcfg, embed, losses.shift_left(tokens, 1 + i), h, positions,
+                           cache, tree_mask, valid, slots)
+        outs.append(h)
+    return outs
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleMethod(TrainMethod):
     """EAGLE-1 (used by EAGLE-2 too): fc([embed(t+1); f_t]) -> decoder layer(s) regress f_{t+1}.
 
     The target's embedding and lm_head are frozen inputs; the draft has the target's shapes with
-    `num_layers` decoder layers, the first without input norm (SafeAILab/EAGLE).
+    `num_layers` decoder layers, the first without input norm (SafeAILab/EAGLE). With `steps`
+    > 1 the draft also trains on its own predicted features, as it drafts past the first token
+    at test time (the training-time test of `unroll_draft`, HASS's harmonized context
+    alignment): step i's feature and token losses weigh decay^i.
     """
 
     num_layers: int = 1
@@ -179,9 +209,14 @@ class EagleMethod(TrainMethod):
     # The token loss over the `draft_ids` rows of the head only (both distributions
     # renormalised there): what decoding drafts from, a sixth of the full head's cost.
     draft_vocab_loss: bool = False
+    steps: int = 1  # training-time-test steps (1: teacher-forced features only, EAGLE-1)
+    decay: float = losses.EAGLE3_DECAY
     name: str = "eagle"
     kind: str = "eagle"
-    num_outputs: int = 1
+
+    @property
+    def num_outputs(self) -> int:
+        return self.steps
 
     def draft_config(self, config: ModelConfig) -> ModelConfig:
         return dataclasses.replace(config, num_layers=self.num_layers)
@@ -198,37 +233,44 @@ class EagleMethod(TrainMethod):
               "bias": jnp.zeros((d,), jnp.float32)}
         return {"fc": fc, "layers": layers}
 
-    def draft(self, params, base_params, config, tokens, features, valid):
-        """Predicted next features [B, T, D] of (token t + 1, feature t) pairs, causal."""
-        from specjax.model import causal_mask
+    def draft(self, params, base_params, config, tokens, features, valid) -> list:
+        """Predicted features [B, T, D] per step: step i at t predicts the feature of t + 1 + i
+        (tokens [B, T]: the sequence; features: the target's feature of t, step 0's input)."""
         from specjax.proposers.eagle_net import eagle_forward
 
-        b, t = tokens.shape
-        dcfg = self.draft_config(config)
-        cache = scratch_cache(dcfg, b, t, jnp.float32)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        embed = base_params["embed"].astype(jnp.float32)
-        out, _ = eagle_forward(params, dcfg, embed, tokens, features, positions, cache,
-                               causal_mask(b, t), valid)
-        return out
+        return unroll_draft(eagle_forward, params, self.draft_config(config),
+                            base_params["embed"], tokens, features, valid, self.steps)
 
     def loss(self, params, frozen, config, batch, key):
         base_params = frozen["base"]
-        tokens, feats, target, mask = losses.eagle_shift(batch["tokens"], batch["final"],
-                                                         batch["mask"], batch["valid"])
+        valid = batch["valid"]
+        _, feats, _, mask = losses.eagle_shift(batch["tokens"], batch["final"], batch["mask"],
+                                               valid)
         if self.noise_std > 0:
-            lengths = jnp.sum(batch["valid"], axis=1)
+            lengths = jnp.sum(valid, axis=1)
             noisy = losses.uniform_feature_noise(key, feats, lengths, self.noise_std)
-            feats = jnp.where(batch["valid"][..., None], noisy, feats)
-        pred = self.draft(params, base_params, config, tokens, feats, batch["valid"])
-        pos = ok = None
-        if self.loss_positions:
-            pos, ok = losses.sample_positions(jax.random.fold_in(key, 1), mask,
-                                              self.loss_positions)
+            feats = jnp.where(valid[..., None], noisy, feats)
+        preds = self.draft(params, base_params, config, batch["tokens"], feats, valid)
         head = lm_head_weight(base_params).astype(jnp.float32)
         if self.draft_vocab_loss:
             head = head[frozen["draft_ids"]]
-        return losses.eagle_loss(pred, target, head, mask, self.v_w, self.p_w, pos, ok)
+        total, steps = 0.0, []
+        for i, pred in enumerate(preds):
+            m = losses.shift_left(mask, i) & valid  # f_{t+1+i} exists and t + i is scored
+            pos = ok = None
+            if self.loss_positions:
+                pos, ok = losses.sample_positions(jax.random.fold_in(key, 1 + i), m,
+                                                  self.loss_positions)
+            step_loss, metrics = losses.eagle_loss(pred, losses.shift_left(batch["final"], 1 + i),
+                                                   head, m, self.v_w, self.p_w, pos, ok)
+            total = total + self.decay ** i * step_loss
+            steps.append((step_loss, metrics))
+        if len(steps) == 1:
+            return steps[0]
+        metrics = dict(steps[0][1])  # feature and token terms of step 0 (teacher-forced)
+        metrics["loss_k"] = jnp.stack([s[0] for s in steps])
+        metrics["acc_k"] = jnp.concatenate([s[1]["acc_k"] for s in steps])
+        return total, metrics
 
     def constants(self, store, config, init_heads=None):
         return {"draft_ids": frequent_answer_tokens(store, config.vocab_size)}
@@ -361,27 +403,12 @@ class Eagle3Method(TrainMethod):
         from specjax.proposers.eagle3_net import draft_config, eagle3_forward, eagle3_fuse, \
             eagle3_logprobs
 
-        tokens, valid = batch["tokens"], batch["valid"]
-        b, t = tokens.shape
-        k = self.steps
         dcfg = draft_config(config)
-        embed = frozen["base"]["embed"].astype(jnp.float32)
         feats = jnp.concatenate([batch[f"layer_{i}"] for i in self.feature_layers(config)], -1)
-        h = eagle3_fuse(params, feats)
-        cache = scratch_cache(dcfg, b, k * t, jnp.float32)
-        pos = jnp.arange(t, dtype=jnp.int32)
-        causal = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]
-        eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
-        out = []
-        for i in range(k):
-            tree_mask = jnp.concatenate([causal] + [eye] * i, axis=-1)  # [B, T, (i+1) T]
-            slots = jnp.broadcast_to(i * t + pos, (b, t))
-            positions = jnp.broadcast_to(pos + i, (b, t))
-            x, cache = eagle3_forward(params, dcfg, embed, losses.shift_left(tokens, 1 + i), h,
-                                      positions, cache, tree_mask, valid, slots)
-            out.append(eagle3_logprobs(params, dcfg, x))
-            h = x
-        return jnp.stack(out)
+        outs = unroll_draft(eagle3_forward, params, dcfg, frozen["base"]["embed"],
+                            batch["tokens"], eagle3_fuse(params, feats), batch["valid"],
+                            self.steps)
+        return jnp.stack([eagle3_logprobs(params, dcfg, x) for x in outs])
 
     def loss(self, params, frozen, config, batch, key):
         head = lm_head_weight(frozen["base"]).astype(jnp.float32)
