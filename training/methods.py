@@ -343,11 +343,7 @@ class Eagle3Method(TrainMethod):
     norm and reduced-vocabulary lm_head, trained with the training-time test (the draft unrolled
     `steps` times on its own outputs, losses weighted decay^i).
 
-    The unroll runs the inference network (`eagle3_forward`) over one paged scratch cache: step
-    i writes its K/V at slots i*T + t with RoPE position t + i, and position t attends to step 0's
-    keys at positions <= t and to its own keys of steps 1..i, exactly what the draft cache holds
-    at test time after drafting i tokens from position t (SafeAILab's cache_hidden attention).
-    The draft vocabulary is the `draft_vocab_size` most frequent answer tokens of the training
+    The unroll (`unroll_draft`) runs the inference network (`eagle3_forward`). The draft vocabulary is the `draft_vocab_size` most frequent answer tokens of the training
     data (its d2t map is a frozen constant); the draft lm_head starts from the target's rows.
     """
 
