@@ -90,6 +90,19 @@ def test_cli_bad_prompt_files(tiny_llama, tmp_path, capsys):
         assert rc == 1 and words in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("option", [["--draft-steps", "0"], ["--num-heads", "0"],
+                                    ["--loss-positions", "-1"], ["--noise-std", "-0.1"]])
+def test_cli_bad_method_options(tiny_llama, tmp_path, capsys, option):
+    from specjax.cli import main
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    rc = main(["train", "--method", "eagle", "--base", str(tiny_llama[0]), "--prompts",
+               str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o"), *option])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and option[0] in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
 # ------------------------------------------------------------------------------------------
 # Losses against a direct torch computation
 

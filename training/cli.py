@@ -93,6 +93,11 @@ def config_from_args(args):
                  "distill_batch_size", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("num_heads", "num_layers", "draft_steps", "loss_positions", "draft_vocab_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.noise_std is not None and args.noise_std < 0:
+        raise TrainError(f"--noise-std must be >= 0, got {args.noise_std}")
     if args.lr <= 0:
         raise TrainError(f"--lr must be > 0, got {args.lr}")
     if args.max_prompts < 0 or args.eval_prompts < 0:
