@@ -90,12 +90,11 @@ def config_from_args(args):
     from training.train import TrainConfig, TrainError
 
     for name in ("steps", "batch_size", "max_len", "save_every", "max_new_tokens",
-                 "distill_batch_size", "max_prompt_tokens"):
-        if getattr(args, name) < 1:
-            raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("num_heads", "num_layers", "draft_steps", "loss_positions", "draft_vocab_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+                 "distill_batch_size", "max_prompt_tokens", "num_heads", "num_layers",
+                 "draft_steps", "loss_positions", "draft_vocab_size"):  # the last five: None = default
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.noise_std is not None and args.noise_std < 0:
         raise TrainError(f"--noise-std must be >= 0, got {args.noise_std}")
     if args.lr <= 0:
