@@ -89,9 +89,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 def config_from_args(args):
     from training.train import TrainConfig, TrainError
 
+    # The last five are method options: None means the method's default.
     for name in ("steps", "batch_size", "max_len", "save_every", "max_new_tokens",
                  "distill_batch_size", "max_prompt_tokens", "num_heads", "num_layers",
-                 "draft_steps", "loss_positions", "draft_vocab_size"):  # the last five: None = default
+                 "draft_steps", "loss_positions", "draft_vocab_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
