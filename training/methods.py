@@ -343,8 +343,9 @@ class Eagle3Method(TrainMethod):
     norm and reduced-vocabulary lm_head, trained with the training-time test (the draft unrolled
     `steps` times on its own outputs, losses weighted decay^i).
 
-    The unroll (`unroll_draft`) runs the inference network (`eagle3_forward`). The draft vocabulary is the `draft_vocab_size` most frequent answer tokens of the training
-    data (its d2t map is a frozen constant); the draft lm_head starts from the target's rows.
+    The unroll (`unroll_draft`) runs the inference network (`eagle3_forward`). The draft
+    vocabulary is the `draft_vocab_size` most frequent answer tokens of the training data (its
+    d2t map is a frozen constant); the draft lm_head starts from the target's rows.
     """
 
     steps: int = losses.EAGLE3_STEPS
