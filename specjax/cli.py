@@ -87,7 +87,8 @@ def _add_generate(sub):
                         "drafted tokens (default 5)")
     e.add_argument("--eagle-draft-vocab", type=int, default=None,
                    help="EAGLE-1/2: draft only the N most frequent tokens (heads trained by "
-                        "specjax store the order; default: all the heads store)")
+                        "specjax store the order; default: the heads' decoding_defaults, else "
+                        "all the heads store)")
     e.add_argument("--eagle-top-k", type=int, default=None,
                    help="EAGLE-2/3: children per expanded node and nodes expanded per depth "
                         "(default 8)")

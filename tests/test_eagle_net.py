@@ -174,12 +174,15 @@ def test_heads_recommend_decoding_defaults(eagle_dir, tmp_path, tiny_llama):
     out = convert_eagle(d, tmp_path / "sj")
     meta = json.loads((out / "specjax.json").read_text())
     meta["decoding_defaults"] = {"eagle2": {"eagle_total_tokens": 6, "eagle_depth": 2,
-                                            "eagle_top_k": 2}}
+                                            "eagle_top_k": 2, "eagle_draft_vocab": 40}}
     (out / "specjax.json").write_text(json.dumps(meta))
     model = load_model(str(tiny_llama[0]))
-    p, _ = make_proposer("eagle2", model, heads=str(out))
+    p, params = make_proposer("eagle2", model, heads=str(out))
     assert (p.total_tokens, p.depth, p.top_k) == (6, 2, 2)
-    p, _ = make_proposer("eagle2", model, heads=str(out), eagle_total_tokens=5)
+    assert params["lm_head"].shape[0] == params["draft_ids"].shape[0] == 40
+    p, params = make_proposer("eagle2", model, heads=str(out), eagle_total_tokens=5,
+                              eagle_draft_vocab=24)
     assert (p.total_tokens, p.depth, p.top_k) == (5, 2, 2)
+    assert params["lm_head"].shape[0] == 24
     p, _ = make_proposer("eagle", model, heads=str(out))  # nothing recommended for EAGLE-1
     assert p.tree_size == 26
