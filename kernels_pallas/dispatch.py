@@ -13,30 +13,25 @@ Functions that jax.jit already traced keep the backend they were traced with, so
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import jax
 
 from kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
 from kernels_pallas.tree_paged_attention_reference import tree_paged_attention_reference
+from kernels_pallas.trace_setting import TraceSetting
 
 ENV_VAR = "SPECJAX_ATTENTION"
 SETTINGS = ("auto", "pallas", "pallas-interpret", "xla")
-_override: list[str] = []
-
-
-def _check(name: str) -> str:
-    if name not in SETTINGS:
-        raise ValueError(f"attention backend {name!r}: expected one of {', '.join(SETTINGS)}")
-    return name
+_SETTING = TraceSetting(ENV_VAR, SETTINGS, "attention backend")
 
 
 def attention_setting() -> str:
     """The requested setting: the innermost `use_attention_backend`, else $SPECJAX_ATTENTION."""
-    if _override:
-        return _override[-1]
-    return _check(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
+    return _SETTING.get()
+
+
+def use_attention_backend(name: str):
+    """Force `name` (one of SETTINGS) inside a `with` block (clears JAX's caches)."""
+    return _SETTING.use(name)
 
 
 def gpu_supports_kernel() -> bool:
@@ -59,18 +54,6 @@ def attention_backend() -> str:
     if setting == "auto":
         return "pallas" if gpu_supports_kernel() else "xla"
     return setting
-
-
-@contextlib.contextmanager
-def use_attention_backend(name: str):
-    """Force `name` (one of SETTINGS) inside the block; clears JAX's caches on entry and exit."""
-    _override.append(_check(name))
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        _override.pop()
-        jax.clear_caches()
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, *, scale=None,

@@ -21,6 +21,7 @@ from kernels_pallas import (attention_backend, gather_pages, gathered_attention,
                             visible_keys_mask, write_paged_kv)
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.cpu_matmul import kernel_applies, rows_matmul
 from specjax.rope import apply_rope, rope_cos_sin
 
 
@@ -51,6 +52,8 @@ def linear(x, w, out_dtype=None):
     lead = x.shape[:-1]
     dtype = jnp.result_type(x, w)
     x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
+    if kernel_applies(x2, w, out_dtype):  # few float32 rows on CPU: specjax.cpu_matmul
+        return rows_matmul(x2, w).reshape(*lead, w.shape[0])
     y = jax.lax.dot_general(w.astype(dtype), x2, (((1,), (1,)), ((), ())),
                             preferred_element_type=out_dtype)
     return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])

@@ -100,9 +100,11 @@ def test_shared_lm_head_read_once_and_draft_vocabulary(target):
     jaxpr = jax.make_jaxpr(lambda h: proposer.propose(
         {"heads": heads, "lm_head": lm_head}, (), SpecContext(ctx.tokens, ctx.lengths, None, h),
         None, None)[0])(hidden)
-    products = [e.outvars[0].aval.shape for e in jaxpr.jaxpr.eqns
-                if e.primitive.name == "dot_general" and CFG.vocab_size in e.outvars[0].aval.shape]
-    assert products == [(CFG.vocab_size, 2 * 2)]  # one product: 2 sequences x heads 0 and 1
+    # XLA's dot_general, or specjax.cpu_matmul's kernel (a custom_vjp_call) on this CPU
+    products = [sorted(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns
+                if e.primitive.name in ("dot_general", "custom_vjp_call")
+                and CFG.vocab_size in e.outvars[0].aval.shape]
+    assert products == [[2 * 2, CFG.vocab_size]]  # one product: 2 sequences x heads 0 and 1
 
     # Draft vocabulary: the 16 ids below, scored through their rows only.
     ids = jnp.asarray(np.random.default_rng(0).permutation(CFG.vocab_size)[:16], jnp.int32)

@@ -561,7 +561,12 @@ def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
     """A whole 7-node tree is verified padded to 8 nodes: its logits, features and pools equal
     those of one unpadded pass, and the padding writes nothing."""
     import specjax.verify as verify_mod
+    from specjax.cpu_matmul import unsupported_reason, use_cpu_matmul
 
+    if unsupported_reason() is None:  # the CPU kernel has no costly widths: nothing is padded
+        with use_cpu_matmul("kernel"):
+            assert [verify_mod.padded_width(t) for t in (5, 7, 9, 15)] == [5, 7, 9, 15]
+    monkeypatch.setattr(verify_mod, "kernel_in_use", lambda: False)  # XLA's products pad
     assert [verify_mod.padded_width(t) for t in (1, 4, 5, 7, 8, 9, 15, 16, 20, 64)] == \
         [1, 4, 8, 8, 8, 16, 16, 16, 20, 64]
     assert verify_mod.verify_widths(7) == (1, 4, 8) and verify_mod.verify_widths(9) == (1, 4, 8, 16)

@@ -1,0 +1,169 @@
+"""Few-row matrix products on CPU through a native kernel (`cpu_kernels/rows_matmul.cc`).
+
+A decode, verify or draft pass multiplies a handful of rows by every weight, so it is bound by
+streaming the weights from memory; XLA:CPU's GEMM packs the weight and turns compute-bound from a
+few rows on, which made a 4-token verify cost ~1.4x a decode step and capped every method's
+speedup (README, "What one verify pass costs"). The kernel reads each weight once for all rows,
+prefetching ahead, and computes each output the same way whatever the row count: a row's
+product is bit-identical in a one-token decode and in a T-token verify.
+
+The kernel is built with the machine's g++ on first use (cached under `<specjax cache>/kernels`)
+and called as an XLA FFI custom call. Chosen when a function is traced:
+- `SPECJAX_CPU_MATMUL` = `auto` (default) | `kernel` | `xla`; `use_cpu_matmul(name)` overrides
+  it inside a `with` block.
+- `auto` uses the kernel for float32 products of at most `MAX_ROWS` rows when the process has a
+  single device (a custom call cannot be split over a mesh by XLA's partitioner) on an x86-64
+  CPU with AVX2 and FMA, and g++ builds it; XLA's product otherwise. `kernel` raises instead of
+  falling back when it cannot be built. Lowering for another platform (GPU export) always takes
+  XLA's product.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.trace_setting import TraceSetting
+
+ENV_VAR = "SPECJAX_CPU_MATMUL"
+SETTINGS = ("auto", "kernel", "xla")
+TARGET = "specjax_rows_matmul"
+SOURCE = Path(__file__).with_name("cpu_kernels") / "rows_matmul.cc"
+# Up to this many rows the kernel (8 rows per pass over the weight, the later passes from cache)
+# beats XLA's GEMM or ties with it (README, "What one verify pass costs").
+MAX_ROWS = 64
+_SETTING = TraceSetting(ENV_VAR, SETTINGS, "CPU matmul setting")
+
+
+def cpu_matmul_setting() -> str:
+    """The innermost `use_cpu_matmul`, else $SPECJAX_CPU_MATMUL (default auto)."""
+    return _SETTING.get()
+
+
+def use_cpu_matmul(name: str):
+    """Force `name` (one of SETTINGS) inside a `with` block (clears JAX's caches)."""
+    return _SETTING.use(name)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def unsupported_reason() -> str | None:
+    """Why the kernel cannot run here, or None when it can (it may still fail to build)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"an x86-64 CPU is needed (this is {platform.machine()})"
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return "the CPU lacks AVX2 or FMA"
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return "no C++ compiler (g++ or $CXX) to build it"
+    return None
+
+
+def _library_path() -> Path:
+    from convert.registry import cache_dir
+
+    compiler = os.environ.get("CXX", "g++")
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join([compiler, jax.__version__, *sorted(_cpu_flags())]).encode())
+    return cache_dir() / "kernels" / f"rows_matmul-{key.hexdigest()[:16]}.so"
+
+
+@lru_cache(maxsize=1)
+def _register() -> str | None:
+    """Build (once per machine) and register the kernel; None on success, else why not."""
+    reason = unsupported_reason()
+    if reason is not None:
+        return reason
+    lib = _library_path()
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        cmd = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-shared", "-fPIC",
+               "-std=c++17", "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            err = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"building {SOURCE.name} failed: {err}"
+        os.replace(tmp, lib)
+    handler = ctypes.cdll.LoadLibrary(str(lib)).SpecjaxRowsMatmul
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    return None
+
+
+def kernel_in_use() -> bool:
+    """Whether float32 products of at most MAX_ROWS rows traced now take the kernel."""
+    setting = cpu_matmul_setting()
+    if setting == "xla":
+        return False
+    if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() != 1):
+        return False
+    reason = _register()
+    if reason is None:
+        return True
+    if setting == "kernel":
+        raise RuntimeError(f"CPU matmul kernel unavailable: {reason}")
+    _warn_once(reason)
+    return False
+
+
+def kernel_applies(x, w, out_dtype=None) -> bool:
+    """Whether `linear` takes the kernel for x [M, K] times w [N, K] (decided at trace time)."""
+    fits = (x.ndim == 2 and w.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and out_dtype in (None, jnp.float32) and 1 <= x.shape[0] <= MAX_ROWS
+            and w.shape[0] >= 1)
+    return fits and kernel_in_use()
+
+
+@lru_cache(maxsize=None)
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"specjax: CPU matmul kernel not used ({reason}); XLA's product runs instead",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _xla_rows(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
+def _ffi_rows(x, w):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+
+
+@jax.custom_vjp
+def rows_matmul(x, w):
+    """x [M, K] times w [N, K]^T -> [M, N] float32: the kernel on CPU, XLA's product elsewhere."""
+    return jax.lax.platform_dependent(x, w, cpu=_ffi_rows, default=_xla_rows)
+
+
+def _fwd(x, w):
+    return rows_matmul(x, w), (x, w)
+
+
+def _bwd(res, g):
+    x, w = res
+    return g @ w, g.T @ x
+
+
+rows_matmul.defvjp(_fwd, _bwd)

@@ -1,0 +1,111 @@
+"""The native few-row CPU product (specjax.cpu_matmul) against numpy and XLA."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import cpu_matmul
+from specjax.cpu_matmul import TARGET, rows_matmul, unsupported_reason, use_cpu_matmul
+from specjax.model import head_logits, linear
+
+needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
+                                  reason=f"kernel unavailable: {unsupported_reason()}")
+
+
+def _hlo(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [7, 45, 576])
+def test_kernel_matches_numpy_for_every_row_count(k):
+    """1-16 rows (one and two passes of 8), columns and k not multiples of the register blocks."""
+    rng = np.random.default_rng(k)
+    w = rng.standard_normal((203, k)).astype(np.float32)
+    with use_cpu_matmul("kernel"):
+        f = jax.jit(linear)
+        assert TARGET in _hlo(linear, jnp.zeros((3, k)), jnp.asarray(w))
+        for m in range(1, 17):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            np.testing.assert_allclose(np.asarray(f(x, w)), x @ w.T, rtol=2e-5, atol=2e-4)
+
+
+@needs_kernel
+def test_a_row_does_not_depend_on_how_many_rows_share_the_pass():
+    """Bit-identical rows whatever the row count: a verify pass reproduces decoding exactly."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((1000, 576)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
+    with use_cpu_matmul("kernel"):
+        f = jax.jit(linear)
+        alone = np.stack([np.asarray(f(x[i:i + 1], w))[0] for i in range(64)])
+        for m in (2, 4, 5, 8, 9, 16, 23, 64):
+            np.testing.assert_array_equal(np.asarray(f(x[:m], w)), alone[:m])
+
+
+@needs_kernel
+def test_leading_axes_head_and_gradients():
+    """[B, T, D] inputs, the float32 output head, and gradients (XLA's products backward)."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 3, 40)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((33, 40)).astype(np.float32))
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(linear(x, w)))
+
+    with use_cpu_matmul("xla"):
+        ref_y, ref_head = linear(x, w), head_logits(x, w)
+        ref_g = jax.grad(loss, argnums=(0, 1))(x, w)
+        assert TARGET not in _hlo(linear, x, w)
+    with use_cpu_matmul("kernel"):
+        assert TARGET in _hlo(linear, x, w)
+        np.testing.assert_allclose(linear(x, w), ref_y, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(head_logits(x, w), ref_head, rtol=1e-5, atol=1e-5)
+        for got, ref in zip(jax.grad(loss, argnums=(0, 1))(x, w), ref_g):
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_xla_takes_what_the_kernel_does_not():
+    """More rows than MAX_ROWS (prefill, training batches), bfloat16 weights: XLA's product, even
+    when the kernel is forced."""
+    with use_cpu_matmul("kernel"):
+        many = jnp.zeros((cpu_matmul.MAX_ROWS + 1, 16))
+        assert TARGET not in _hlo(linear, many, jnp.zeros((8, 16)))
+        assert TARGET not in _hlo(linear, jnp.zeros((2, 16), jnp.bfloat16),
+                                  jnp.zeros((8, 16), jnp.bfloat16))
+
+
+@needs_kernel
+def test_lowering_for_a_gpu_takes_xla_product():
+    """An export for CUDA made on this CPU holds no CPU custom call."""
+    from jax import export
+
+    with use_cpu_matmul("kernel"):
+        exp = export.export(jax.jit(rows_matmul), platforms=["cuda"])(
+            jax.ShapeDtypeStruct((4, 64), jnp.float32), jax.ShapeDtypeStruct((96, 64), jnp.float32))
+    assert TARGET not in exp.mlir_module()
+
+
+def test_bad_setting_is_one_line_error(monkeypatch):
+    monkeypatch.setenv(cpu_matmul.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=r"CPU matmul setting 'fast': expected one of auto"):
+        cpu_matmul.cpu_matmul_setting()
+
+
+def test_auto_leaves_meshes_to_xla():
+    """With several devices `auto` keeps XLA's product (XLA cannot partition a custom call)."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "from specjax.model import linear\n"
+            "print(jax.device_count(), 'specjax_rows_matmul' in "
+            "jax.jit(linear).lower(jnp.zeros((2, 8)), jnp.zeros((4, 8))).as_text())\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               SPECJAX_CPU_MATMUL="auto")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert out.stdout.split() == ["2", "False"]
