@@ -56,15 +56,16 @@ def use_cpu_matmul(name: str):
     return _SETTING.use(name)
 
 
-def _cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def unsupported_reason() -> str | None:

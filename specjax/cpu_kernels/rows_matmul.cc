@@ -98,7 +98,8 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // Output rows in chunks; input rows 8 at a time (each group streams the weight once more).
+  // Output rows in chunks; input rows 8 at a time, the later groups reading the chunk's weight
+  // rows from cache.
   void run() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
