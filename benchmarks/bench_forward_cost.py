@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from specjax import load_model
 from specjax.bench import machine
-from specjax.cpu_matmul import SETTINGS, unsupported_reason, use_cpu_matmul
+from kernels_pallas import use_attention_backend
+from specjax.cpu_matmul import unsupported_reason, use_cpu_matmul
 from specjax.cache import PagedKVCache, init_pages, pages_needed
 from specjax.draft_tree import chain
 from specjax.model import _mlp_block, compute_logits, forward
@@ -56,14 +57,17 @@ def cache_at(config, context: int, width: int, page_size: int = 16) -> PagedKVCa
     return PagedKVCache(k, v, table, jnp.array([context], jnp.int32))
 
 
-def measure(model, widths, context: int, iters: int, matmul: str = "auto") -> list[dict]:
+def measure(model, widths, context: int, iters: int, matmul: str = "auto",
+            attention: str = "auto") -> list[dict]:
     """Rows of milliseconds per part and width, with the linear layers on `matmul` (a
-    specjax.cpu_matmul setting: XLA's product or the few-row kernel)."""
-    with use_cpu_matmul(matmul):
-        return _measure(model, widths, context, iters, matmul)
+    specjax.cpu_matmul setting: XLA's product or the few-row kernel) and attention on the
+    `attention` backend (kernels_pallas.dispatch: the XLA reference or the CPU kernel)."""
+    with use_cpu_matmul(matmul), use_attention_backend(attention):
+        rows = _measure(model, widths, context, iters)
+    return [{"matmul": matmul, "attention": attention, **r} for r in rows]
 
 
-def _measure(model, widths, context, iters, matmul):
+def _measure(model, widths, context, iters):
     params, config = model.params, model.config
     rows = []
     for w in widths:
@@ -101,7 +105,7 @@ def _measure(model, widths, context, iters, matmul):
                            ("mlps", mlps), ("lm_head", head), ("verify_pruned", pruned)]:
             carry = (cache_at(config, context, w), jnp.float32(0))
             parts[name] = loop_ms(body, params, carry, iters)
-        rows.append({"matmul": matmul, "width": w, **{k: round(v, 2) for k, v in parts.items()}})
+        rows.append({"width": w, **{k: round(v, 2) for k, v in parts.items()}})
     base = rows[0]["forward"]
     for r in rows:
         r["cost_vs_width_1"] = round(r["forward"] / base, 2)
@@ -111,12 +115,14 @@ def _measure(model, widths, context, iters, matmul):
 def markdown(rows, context: int) -> str:
     out = [f"Target forward over T new tokens after {context} committed ones (ms; "
            "`cost_vs_width_1` = tokens per step needed to break even; matmul: the linear layers "
-           "on XLA's product or specjax.cpu_matmul's kernel)", "",
-           "| matmul | T | forward | decoder without lm_head | MLPs only | lm_head only | "
-           "cost vs T=1 | `verify_pruned` |",
-           "|---|---|---|---|---|---|---|---|"]
+           "on XLA's product or specjax.cpu_matmul's kernel; attention: the XLA reference or "
+           "specjax.cpu_attention's kernel)", "",
+           "| matmul | attention | T | forward | decoder without lm_head | MLPs only | "
+           "lm_head only | cost vs T=1 | `verify_pruned` |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.get('matmul', 'auto')} | {r['width']} | {r['forward']} | {r['no_head']} "
+        out.append(f"| {r.get('matmul', 'auto')} | {r.get('attention', 'auto')} | {r['width']} "
+                   f"| {r['forward']} | {r['no_head']} "
                    f"| {r['mlps']} | {r['lm_head']} | {r['cost_vs_width_1']}x | "
                    f"{r['verify_pruned']} |")
     return "\n".join(out)
@@ -128,16 +134,23 @@ def main(argv=None):
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--matmul", nargs="+", choices=SETTINGS, default=None,
-                    help="settings to time one after the other (default: xla, and kernel when "
-                         "this machine can build it)")
+    ap.add_argument("--arms", nargs="+", default=None,
+                    help="MATMUL/ATTENTION settings to time one after the other, e.g. "
+                         "kernel/cpu (default: xla/xla, then kernel/xla and kernel/cpu when "
+                         "this machine can build the kernels)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "forward_cost"))
     args = ap.parse_args(argv)
     if args.widths[0] != 1:
         args.widths = [1] + [w for w in args.widths if w != 1]
-    matmul = args.matmul or ["xla"] + (["kernel"] if unsupported_reason() is None else [])
+    arms = args.arms or ["xla/xla"] + (["kernel/xla", "kernel/cpu"]
+                                       if unsupported_reason() is None else [])
     model = load_model(args.model)
-    rows = [r for m in matmul for r in measure(model, args.widths, args.context, args.iters, m)]
+    rows = []
+    for arm in arms:
+        matmul, sep, attention = arm.partition("/")
+        if not sep:
+            ap.error(f"arm '{arm}' is not MATMUL/ATTENTION (e.g. kernel/cpu)")
+        rows += measure(model, args.widths, args.context, args.iters, matmul, attention)
     table = markdown(rows, args.context)
     result = {"machine": machine(), "model": args.model, "context": args.context, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: Pallas GPU kernels, each beside its XLA reference.
 
 The model calls `paged_attention`, which runs the Pallas kernel on a CUDA GPU (compute
-capability >= 8.0) and the XLA reference elsewhere; see `dispatch` for the settings.
+capability >= 8.0), specjax's native CPU kernel (`specjax.cpu_attention`) on one CPU device, and
+the XLA reference elsewhere; see `dispatch` for the settings.
 """
 
 from kernels_pallas.tree_paged_attention_reference import (
@@ -17,10 +18,12 @@ from kernels_pallas.dispatch import (
     attention_setting,
     paged_attention,
     use_attention_backend,
+    uses_pallas,
 )
 
 __all__ = [
-    "attention_backend", "gather_pages", "gathered_attention", "attention_setting", "paged_attention", "tree_paged_attention",
-    "tree_paged_attention_reference", "unsupported_reason", "use_attention_backend",
-    "visible_keys_mask", "write_paged_kv",
+    "attention_backend", "attention_setting", "gather_pages", "gathered_attention",
+    "paged_attention", "tree_paged_attention", "tree_paged_attention_reference",
+    "unsupported_reason", "use_attention_backend", "uses_pallas", "visible_keys_mask",
+    "write_paged_kv",
 ]

@@ -7,8 +7,8 @@ speedup (README, "What one verify pass costs"). The kernel reads each weight onc
 prefetching ahead, and computes each output the same way whatever the row count: a row's
 product is bit-identical in a one-token decode and in a T-token verify.
 
-The kernel is built with the machine's g++ on first use (cached under `<specjax cache>/kernels`)
-and called as an XLA FFI custom call. Chosen when a function is traced:
+The kernel is built with the machine's g++ on first use (`specjax.cpu_native`) and called as an
+XLA FFI custom call. Chosen when a function is traced:
 - `SPECJAX_CPU_MATMUL` = `auto` (default) | `kernel` | `xla`; `use_cpu_matmul(name)` overrides
   it inside a `with` block.
 - `auto` uses the kernel for float32 products of at most `MAX_ROWS` rows when the process has a
@@ -20,26 +20,18 @@ and called as an XLA FFI custom call. Chosen when a function is traced:
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from functools import lru_cache
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas.trace_setting import TraceSetting
+from specjax.cpu_native import register, unsupported_reason  # noqa: F401 (re-exported)
 
 ENV_VAR = "SPECJAX_CPU_MATMUL"
 SETTINGS = ("auto", "kernel", "xla")
 TARGET = "specjax_rows_matmul"
-SOURCE = Path(__file__).with_name("cpu_kernels") / "rows_matmul.cc"
 # Up to this many rows the kernel (8 rows per pass over the weight, the later passes from cache)
 # beats XLA's GEMM or ties with it (README, "What one verify pass costs").
 MAX_ROWS = 64
@@ -56,63 +48,6 @@ def use_cpu_matmul(name: str):
     return _SETTING.use(name)
 
 
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def unsupported_reason() -> str | None:
-    """Why the kernel cannot run here, or None when it can (it may still fail to build)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"an x86-64 CPU is needed (this is {platform.machine()})"
-    if not {"avx2", "fma"} <= _cpu_flags():
-        return "the CPU lacks AVX2 or FMA"
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        return "no C++ compiler (g++ or $CXX) to build it"
-    return None
-
-
-def _library_path() -> Path:
-    from convert.registry import cache_dir
-
-    compiler = os.environ.get("CXX", "g++")
-    key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(" ".join([compiler, jax.__version__, *sorted(_cpu_flags())]).encode())
-    return cache_dir() / "kernels" / f"rows_matmul-{key.hexdigest()[:16]}.so"
-
-
-@lru_cache(maxsize=1)
-def _register() -> str | None:
-    """Build (once per machine) and register the kernel; None on success, else why not."""
-    reason = unsupported_reason()
-    if reason is not None:
-        return reason
-    lib = _library_path()
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-        os.close(fd)
-        cmd = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-shared", "-fPIC",
-               "-std=c++17", "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            err = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return f"building {SOURCE.name} failed: {err}"
-        os.replace(tmp, lib)
-    handler = ctypes.cdll.LoadLibrary(str(lib)).SpecjaxRowsMatmul
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return None
-
-
 def kernel_in_use() -> bool:
     """Whether float32 products of at most MAX_ROWS rows traced now take the kernel."""
     setting = cpu_matmul_setting()
@@ -120,7 +55,7 @@ def kernel_in_use() -> bool:
         return False
     if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() != 1):
         return False
-    reason = _register()
+    reason = register()
     if reason is None:
         return True
     if setting == "kernel":

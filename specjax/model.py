@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import (attention_backend, gather_pages, gathered_attention, paged_attention,
-                            visible_keys_mask, write_paged_kv)
+                            uses_pallas, visible_keys_mask, write_paged_kv)
+from specjax import cpu_attention
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.cpu_matmul import kernel_applies, rows_matmul
@@ -135,7 +136,7 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     # Pallas kernel on GPU, XLA reference elsewhere (kernels_pallas.dispatch). Without a sliding
     # window keys_seen is the mask lengths and tree_mask imply, which the kernel builds itself;
     # the reference takes it precomputed (once per forward, not once per layer).
-    exact = config.sliding_window is None and attention_backend() != "xla"
+    exact = config.sliding_window is None and uses_pallas()
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
     return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
@@ -163,7 +164,11 @@ def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):
 
     XLA cannot update buffers in place across the branches of a `lax.switch` (it copies every
     pool in and out of the branch each step); a verify pass inside one defers its writes instead.
+    On the CPU attention backend the kernel reads the new rows where they are.
     """
+    if attention_backend() == "cpu" and cpu_attention.kernel_applies(q, k_pages):
+        return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k,
+                                                 v).astype(q.dtype)
     k_all = jnp.concatenate([gather_pages(k_pages, block_tables),
                              jnp.moveaxis(k, 2, 0).astype(k_pages.dtype)], axis=2)
     v_all = jnp.concatenate([gather_pages(v_pages, block_tables),
@@ -225,7 +230,7 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
     over the scratch slots lengths .. lengths + J - 1, where earlier calls wrote the ancestors;
     the caller then hides unwritten slots itself.
     defer_kv_write: leave the pools untouched and return the new (keys, values) per layer as a
-    fourth result (None otherwise); XLA reference attention only.
+    fourth result (None otherwise); the XLA reference and CPU attention backends only.
     """
     t = x.shape[1]
     if slots is None:

@@ -116,13 +116,18 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     b, s = state.tokens.shape
     active = ~state.done
     ctx = SpecContext(state.tokens, state.lengths, state.cache.block_tables, state.features)
-    tree, pstate = proposer.propose(proposer_params, state.proposer_state, ctx,
-                                    _step_keys(state.keys, state.lengths, 1), sampling)
-    logits, hidden, cache = verify_pruned(params, config, state.cache, tree,
-                                          getattr(proposer, "feature_layers", ()))
-    result = accept(tree, logits, _step_keys(state.keys, state.lengths, 2), sampling,
-                    proposer.rule, **getattr(proposer, "rule_options", {}))
-    cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain)
+    # The scopes name each phase's ops in profiles (benchmarks/profile_step.py).
+    with jax.named_scope("propose"):
+        tree, pstate = proposer.propose(proposer_params, state.proposer_state, ctx,
+                                        _step_keys(state.keys, state.lengths, 1), sampling)
+    with jax.named_scope("verify"):
+        logits, hidden, cache = verify_pruned(params, config, state.cache, tree,
+                                              getattr(proposer, "feature_layers", ()))
+    with jax.named_scope("accept"):
+        result = accept(tree, logits, _step_keys(state.keys, state.lengths, 2), sampling,
+                        proposer.rule, **getattr(proposer, "rule_options", {}))
+    with jax.named_scope("commit"):
+        cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain)
 
     # Append up to n + 1 tokens, stopping after EOS and at max_new_tokens.
     t = tree.size
@@ -146,7 +151,8 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     features = jnp.where(active[:, None], best_hidden.astype(state.features.dtype), state.features)
     path_hidden = jnp.take_along_axis(hidden, result.path[:, :, None], axis=1)
     new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden, logits=logits)
-    pstate = proposer.update(proposer_params, pstate, new_ctx, result, active)
+    with jax.named_scope("update"):
+        pstate = proposer.update(proposer_params, pstate, new_ctx, result, active)
     hist = state.accepted_hist.at[jnp.arange(b), result.n_accepted].add(active.astype(jnp.int32))
     return state.replace(tokens=tokens, lengths=lengths, done=done, steps=state.steps + active,
                          cache=cache, features=features, proposer_state=pstate,

@@ -79,8 +79,8 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
     needed = jnp.max(jnp.where(tree.valid, node[None, :] + 1, 1))
     branch = jnp.searchsorted(jnp.asarray(widths), needed)
     # XLA copies every pool into and out of a switch branch that writes it (~2 x the whole cache
-    # per step): with XLA attention the branches return their K/V, written after the switch.
-    defer = attention_backend() == "xla"
+    # per step): with XLA or CPU attention the branches return their K/V, written after the switch.
+    defer = attention_backend() in ("xla", "cpu")
 
     def run(w):
         def f(cache):

@@ -162,8 +162,8 @@ def test_rejects_shapes_triton_cannot_tile():
         tree_paged_attention(*args, interpret=True)
     with use_attention_backend("pallas-interpret"), pytest.raises(ValueError, match="forced"):
         paged_attention(*args)
-    with use_attention_backend("auto"):  # the reference takes any shape
-        assert attention_backend() == "xla"
+    with use_attention_backend("auto"):  # off GPU: the CPU kernel or the reference (any shape)
+        assert attention_backend() in ("cpu", "xla")
         paged_attention(*args)
 
 

@@ -7,41 +7,13 @@
 //
 // Every output element is computed by the same sequence of operations whatever M, the block
 // or the thread split: a row's result does not depend on how many rows share the pass.
-#include <immintrin.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <memory>
-
-#include "xla/ffi/api/ffi.h"
+#include "simd.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-constexpr int kLanes = 8;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#else
-#error "rows_matmul needs AVX2 and FMA, or AVX-512"
-#endif
+using namespace specjax_cpu;
 
 // Rows [n0, n1) of y for M input rows, R weight rows per register block.
 template <int M, int R>
@@ -90,47 +62,24 @@ BlockFn pick(int64_t m) {
   return fns[m - 1];
 }
 
-struct Job {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t M, K, N, chunk, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  // Output rows in chunks; input rows 8 at a time, the later groups reading the chunk's weight
-  // rows from cache.
-  void run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        int64_t rows = std::min<int64_t>(8, M - m0);
-        pick(rows)(x + m0 * K, w, y + m0 * N, K, N, n0, n1);
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
+// Output rows in chunks of 96 (a multiple of every R above); input rows 8 at a time, the later
+// groups reading the chunk's weight rows from cache.
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("rows_matmul: expected x [M, K] and w [N, K]");
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->M = xd[0];
-  job->K = xd[1];
-  job->N = wd[0];
-  if (job->M == 0 || job->N == 0) return ffi::Error::Success();
-  job->chunk = 96;  // a multiple of every R above
-  job->chunks = (job->N + job->chunk - 1) / job->chunk;
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), job->chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->run(); });
-  job->run();
-  while (job->done.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  const float *xp = x.typed_data(), *wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t M = xd[0], K = xd[1], N = wd[0], chunk = 96;
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  parallel_for(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
+    int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      int64_t rows = std::min<int64_t>(8, M - m0);
+      pick(rows)(xp + m0 * K, wp, yp + m0 * N, K, N, n0, n1);
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import attention_backend, paged_attention, write_paged_kv
+from kernels_pallas import paged_attention, uses_pallas, write_paged_kv
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import _mlp_block, head_logits, key_mask, linear, rms_norm
@@ -65,7 +65,7 @@ def _midlayer(layer, config: ModelConfig, emb, h, cos, sin, k_pages, v_pages, ca
     v = qkv[..., nq + nkv:].reshape(b, t, config.num_kv_heads, hd)
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, slots, k, v, valid)
     # Pallas kernel on GPU, XLA reference elsewhere (as in model._attention_block).
-    exact = config.sliding_window is None and attention_backend() != "xla"
+    exact = config.sliding_window is None and uses_pallas()
     attn = paged_attention(q, k_pages, v_pages, cache.block_tables, cache.lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
     x = h + linear(attn.reshape(b, t, -1), layer["wo"])

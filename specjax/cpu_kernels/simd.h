@@ -1,0 +1,84 @@
+// SIMD vectors (AVX-512, else AVX2 + FMA, chosen at compile time) and a task loop over XLA's
+// intra-op threads, shared by specjax's CPU kernels.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace specjax_cpu {
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float a) { return _mm512_set1_ps(a); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(Vec v) { return _mm512_reduce_max_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float a) { return _mm256_set1_ps(a); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vhmax(Vec v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+#error "specjax's CPU kernels need AVX2 and FMA, or AVX-512"
+#endif
+
+inline void prefetch(const float* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// body(task) for every task in [0, tasks), on the calling thread and on as many of the pool's
+// threads as there are tasks; returns once every task is done. A helper that starts after the
+// tasks ran out returns at once, so `body` must keep what it reads alive (capture shared_ptrs).
+template <typename Body>
+void parallel_for(xla::ffi::ThreadPool& pool, int64_t tasks, Body body) {
+  struct Counters {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto work = [counters, tasks, body] {
+    for (int64_t c; (c = counters->next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      body(c);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
+  work();
+  while (counters->done.load(std::memory_order_acquire) < tasks) _mm_pause();
+}
+
+}  // namespace specjax_cpu

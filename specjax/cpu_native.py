@@ -1,0 +1,87 @@
+"""Native CPU kernels (`cpu_kernels/*.cc`): built with the machine's g++ on first use, cached
+under `<specjax cache>/kernels`, and registered as XLA FFI custom calls.
+
+`specjax.cpu_matmul` (few-row matrix products) and `specjax.cpu_attention` (paged attention)
+decide when to call them; this module only knows whether they can run here and builds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import jax
+
+_DIR = Path(__file__).with_name("cpu_kernels")
+SOURCES = tuple(sorted(_DIR.glob("*.cc")))
+HEADERS = tuple(sorted(_DIR.glob("*.h")))
+# FFI target name -> handler symbol in the library.
+TARGETS = {"specjax_rows_matmul": "SpecjaxRowsMatmul",
+           "specjax_paged_attention": "SpecjaxPagedAttention"}
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def unsupported_reason() -> str | None:
+    """Why the kernels cannot run here, or None when they can (they may still fail to build)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"an x86-64 CPU is needed (this is {platform.machine()})"
+    if not {"avx2", "fma"} <= cpu_flags():
+        return "the CPU lacks AVX2 or FMA"
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return "no C++ compiler (g++ or $CXX) to build it"
+    return None
+
+
+def library_path() -> Path:
+    from convert.registry import cache_dir
+
+    compiler = os.environ.get("CXX", "g++")
+    key = hashlib.sha256()
+    for source in SOURCES + HEADERS:
+        key.update(source.name.encode() + source.read_bytes())
+    key.update(" ".join([compiler, jax.__version__, *sorted(cpu_flags())]).encode())
+    return cache_dir() / "kernels" / f"specjax_cpu-{key.hexdigest()[:16]}.so"
+
+
+@lru_cache(maxsize=1)
+def register() -> str | None:
+    """Build (once per machine) and register every kernel; None on success, else why not."""
+    reason = unsupported_reason()
+    if reason is not None:
+        return reason
+    lib = library_path()
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        cmd = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-shared", "-fPIC",
+               "-std=c++17", "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            err = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"building {', '.join(s.name for s in SOURCES)} failed: {err}"
+        os.replace(tmp, lib)
+    handle = ctypes.cdll.LoadLibrary(str(lib))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
+                                    platform="cpu")
+    return None
