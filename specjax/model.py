@@ -133,9 +133,9 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
         attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
         return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
-    # Pallas kernel on GPU, XLA reference elsewhere (kernels_pallas.dispatch). Without a sliding
-    # window keys_seen is the mask lengths and tree_mask imply, which the kernel builds itself;
-    # the reference takes it precomputed (once per forward, not once per layer).
+    # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (kernels_pallas.dispatch).
+    # Without a sliding window keys_seen is the mask lengths and tree_mask imply, which the
+    # Pallas kernel builds itself; the others take it precomputed (once per forward, not per layer).
     exact = config.sliding_window is None and uses_pallas()
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                            key_mask=None if exact else keys_seen)

@@ -64,7 +64,7 @@ def _midlayer(layer, config: ModelConfig, emb, h, cos, sin, k_pages, v_pages, ca
     k = apply_rope(qkv[..., nq:nq + nkv].reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = qkv[..., nq + nkv:].reshape(b, t, config.num_kv_heads, hd)
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, slots, k, v, valid)
-    # Pallas kernel on GPU, XLA reference elsewhere (as in model._attention_block).
+    # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (as in model._attention_block).
     exact = config.sliding_window is None and uses_pallas()
     attn = paged_attention(q, k_pages, v_pages, cache.block_tables, cache.lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
