@@ -1,12 +1,15 @@
-"""End-to-end A/B of the CPU matmul kernel: the same methods and prompts with XLA's products and
-with specjax.cpu_matmul's kernel, in one process (arms alternate, ABAB by default).
+"""End-to-end A/B of a CPU kernel: the same methods and prompts with XLA's version and with the
+kernel, in one process (arms alternate, ABAB by default).
 
     python benchmarks/ab_cpu_matmul.py --prompts ../shared/data/dev_prompts.jsonl --limit 3 \
         --methods vanilla,eagle2,pld:min_matching_ngram_size=2 --out runs/ab_cpu_matmul
+    python benchmarks/ab_cpu_matmul.py --kernel attention ...   # specjax.cpu_attention
 
-Each arm is one `specjax.bench.run_bench` (methods interleaved per prompt) under
-`use_cpu_matmul(arm)`; the table gives each method's tokens/s per arm, the kernel's gain, and
-the speedup over the same arm's vanilla.
+`--kernel matmul` (default) compares XLA's products with specjax.cpu_matmul's (attention on its
+default backend); `--kernel attention` compares the XLA attention reference with
+specjax.cpu_attention's kernel (products on the matmul kernel). Each arm is one
+`specjax.bench.run_bench` (methods interleaved per prompt); the table gives each method's
+tokens/s per arm, the kernel's gain, and the speedup over the same arm's vanilla.
 """
 
 from __future__ import annotations
@@ -17,14 +20,22 @@ from pathlib import Path
 
 from specjax.bench import machine, run_bench
 from specjax.compile_cache import enable_compile_cache
+from kernels_pallas import use_attention_backend
 from specjax.cpu_matmul import use_cpu_matmul
 
 
-def run(model, methods, prompts, out: Path, limit, arms) -> list[dict]:
+def arm_setting(kernel: str, arm: str):
+    """The `with` block that runs `arm` ("xla" or "kernel") of `kernel` ("matmul" or "attention")."""
+    if kernel == "attention":
+        return use_attention_backend("cpu" if arm == "kernel" else "xla")
+    return use_cpu_matmul(arm)
+
+
+def run(model, methods, prompts, out: Path, limit, arms, kernel: str = "matmul") -> list[dict]:
     """Per (arm index, arm, category, method): tokens/s and speedup over that arm's vanilla."""
     rows = []
     for i, arm in enumerate(arms):
-        with use_cpu_matmul(arm):
+        with arm_setting(kernel, arm):
             res = run_bench(model, methods, prompts, out / f"{i}-{arm}", limit=limit)
         for r in res["rows"]:
             if r["library"] == "specjax":
@@ -61,14 +72,17 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--arms", nargs="+", default=["xla", "kernel", "xla", "kernel"],
                     choices=["xla", "kernel"])
+    ap.add_argument("--kernel", choices=["matmul", "attention"], default="matmul")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     enable_compile_cache()
     out = Path(args.out)
-    rows = run(args.model, args.methods.split(","), args.prompts, out, args.limit, args.arms)
+    rows = run(args.model, args.methods.split(","), args.prompts, out, args.limit, args.arms,
+               args.kernel)
     table = markdown(rows)
     (out / "ab.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
-    (out / "ab.md").write_text(f"{machine()}, {args.model}, arms {' '.join(args.arms)}\n\n"
+    (out / "ab.md").write_text(f"{machine()}, {args.model}, {args.kernel} kernel, arms "
+                               f"{' '.join(args.arms)}\n\n"
                                f"{table}\n")
     print(table)
 
