@@ -144,3 +144,24 @@ def test_cpu_matmul_ab_table_averages_repeats_per_arm():
              "speedup_vs_vanilla": sp} for arm, tps, sp in
             [("xla", 30.0, 1.4), ("kernel", 45.0, 1.6), ("xla", 34.0, 1.6), ("kernel", 51.0, 1.8)]]
     assert "| math | `eagle2` | 32.00 | 48.00 | 1.50x | 1.50x | 1.70x |" in mod.markdown(rows)
+
+
+def test_step_profile_attributes_ops_to_phases(tmp_path):
+    """benchmarks/profile_step.py reads each op's phase from the optimized HLO's op_name."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "module_0001.jit_spec_loop.cpu_after_optimizations.txt").write_text(
+        '  %ffi_call.7 = f32[4,9]{1,0} custom-call(%a, %b), metadata={op_name='
+        '"jit(spec_loop)/while/body/verify/cond/branch_1_fun/ffi_call" stack_frame_id=3}\n'
+        '  ROOT %fusion.2 = f32[2]{0} fusion(%c), metadata={op_name='
+        '"jit(spec_loop)/while/body/propose/while/body/dot_general"}\n'
+        '  %add.1 = f32[2]{0} add(%d, %e)\n')
+    scopes = mod.op_scopes(str(tmp_path))
+    assert set(scopes) == {"ffi_call.7", "fusion.2"}
+    assert [mod.phase_of(scopes[k]) for k in ("ffi_call.7", "fusion.2")] == ["verify", "propose"]
+    assert mod.phase_of("jit(spec_loop)/while/body/add") == "other"
