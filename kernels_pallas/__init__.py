@@ -6,6 +6,7 @@ the XLA reference elsewhere; see `dispatch` for the settings.
 """
 
 from kernels_pallas.tree_paged_attention_reference import (
+    attention_with_new_rows,
     gather_pages,
     gathered_attention,
     tree_paged_attention_reference,
@@ -22,7 +23,7 @@ from kernels_pallas.dispatch import (
 )
 
 __all__ = [
-    "attention_backend", "attention_setting", "gather_pages", "gathered_attention",
+    "attention_backend", "attention_setting", "attention_with_new_rows", "gather_pages", "gathered_attention",
     "paged_attention", "tree_paged_attention", "tree_paged_attention_reference",
     "unsupported_reason", "use_attention_backend", "uses_pallas", "visible_keys_mask",
     "write_paged_kv",

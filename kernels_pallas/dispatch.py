@@ -93,8 +93,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, *, sc
             if key_mask is None:
                 key_mask = visible_keys_mask(lengths, tree_mask,
                                              block_tables.shape[1] * k_pages.shape[2])
-            return cpu_paged_attention(q, k_pages, v_pages, block_tables, key_mask,
-                                       scale=scale).astype(q.dtype)
+            return cpu_paged_attention(q, k_pages, v_pages, block_tables, key_mask, scale=scale)
     elif backend != "xla":
         reason = unsupported_reason(q, k_pages, tree_mask)
         if reason is None:

@@ -55,6 +55,18 @@ def tree_paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, t
                               gather_pages(v_pages, block_tables), mask, scale=scale)
 
 
+def attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k_new, v_new, *,
+                            scale=None):
+    """Attention over each sequence's page slots followed by the rows k_new, v_new
+    [B, Tn, KVH, D] of a pass that has not written them, where mask [B, T, n * page_size + Tn]
+    allows (a verify pass with deferred K/V writes)."""
+    k = jnp.concatenate([gather_pages(k_pages, block_tables),
+                         jnp.moveaxis(k_new, 2, 0).astype(k_pages.dtype)], axis=2)
+    v = jnp.concatenate([gather_pages(v_pages, block_tables),
+                         jnp.moveaxis(v_new, 2, 0).astype(v_pages.dtype)], axis=2)
+    return gathered_attention(q, k, v, mask, scale=scale)
+
+
 def gathered_attention(q, k, v, mask, *, scale=None):
     """Attention of q [B, T, H, D] over each sequence's gathered slots k, v [KVH, B, S, D]
     (`gather_pages`) where mask [B, T, S] allows; returns [B, T, H, D] in q's dtype."""

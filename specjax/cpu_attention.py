@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.tree_paged_attention_reference import gather_pages, gathered_attention
+from kernels_pallas.tree_paged_attention_reference import attention_with_new_rows
 
 TARGET = "specjax_paged_attention"
 
@@ -35,9 +35,8 @@ def kernel_applies(q, k_pages) -> bool:
 
 
 def _reference(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale):
-    k = jnp.concatenate([gather_pages(k_pages, block_tables), jnp.moveaxis(k_new, 2, 0)], axis=2)
-    v = jnp.concatenate([gather_pages(v_pages, block_tables), jnp.moveaxis(v_new, 2, 0)], axis=2)
-    return gathered_attention(q, k, v, mask, scale=scale)
+    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k_new, v_new,
+                                   scale=scale)
 
 
 def _kernel(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import (attention_backend, gather_pages, gathered_attention, paged_attention,
+from kernels_pallas import (attention_backend, attention_with_new_rows, paged_attention,
                             uses_pallas, visible_keys_mask, write_paged_kv)
 from specjax import cpu_attention
 from specjax.cache import PagedKVCache
@@ -167,13 +167,8 @@ def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):
     On the CPU attention backend the kernel reads the new rows where they are.
     """
     if attention_backend() == "cpu" and cpu_attention.kernel_applies(q, k_pages):
-        return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k,
-                                                 v).astype(q.dtype)
-    k_all = jnp.concatenate([gather_pages(k_pages, block_tables),
-                             jnp.moveaxis(k, 2, 0).astype(k_pages.dtype)], axis=2)
-    v_all = jnp.concatenate([gather_pages(v_pages, block_tables),
-                             jnp.moveaxis(v, 2, 0).astype(v_pages.dtype)], axis=2)
-    return gathered_attention(q, k_all, v_all, mask)
+        return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k, v)
+    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k, v)
 
 
 def write_new_kv(cache: PagedKVCache, new_kv, slots, valid) -> PagedKVCache:
