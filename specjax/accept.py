@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.draft_tree import DraftTree, ancestor_mask
-from specjax.sampling import SamplingConfig, categorical, processed_logprobs
+from specjax.sampling import SamplingConfig, argmax_last, categorical, processed_logprobs
 
 
 @struct.dataclass
@@ -39,7 +39,7 @@ def _node_draws(logits, keys, sampling: SamplingConfig, logp=None):
     """One target draw per node: argmax when greedy, else a sample from the processed p
     (logp: processed_logprobs(logits) when the caller has it already)."""
     if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax_last(logits)
     t = logits.shape[1]
     node_keys = jax.vmap(lambda k: jax.random.split(k, t))(keys)  # [B, T] keys
     if logp is None:

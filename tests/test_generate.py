@@ -130,6 +130,20 @@ def test_argmax_last_and_categorical_give_what_jax_gives():
     np.testing.assert_array_equal(np.asarray(argmax_last(x)), np.asarray(jnp.argmax(x, axis=-1)))
     np.testing.assert_array_equal(np.asarray(argmax_last(x[:, :9].reshape(2, 3, 9))),
                                   np.asarray(jnp.argmax(x[:, :9].reshape(2, 3, 9), axis=-1)))
+    # blockwise: whole blocks, a padded last block, ties across blocks, the max in the last slot
+    ties = np.where(np.isin(np.arange(500), [40, 41, 300]), 5.0, 0.0)
+    last = np.where(np.arange(500) == 499, 9.0, rng.normal(size=500))
+    late_nan = np.where(np.arange(500) == 333, np.nan, rng.normal(size=500) * 100)
+    infs = np.where(np.isin(np.arange(500), [3, 200]), np.inf, 0.0)
+    neg_nan = np.where(np.arange(500) == 250, -np.nan, np.where(np.arange(500) == 9, np.inf, 0.0))
+    wide = np.concatenate([rows, np.stack([ties, last, late_nan, infs, neg_nan]).astype(np.float32)])
+    for width, block in ((500, 16), (500, 25), (480, 8), (49152, 1024), (49999, 1024)):
+        w = np.resize(wide, (wide.shape[0], width)) if width > 500 else wide[:, :width]
+        if width > 500:
+            w[-2, -1] = 9.0e9  # the largest value in the padded last block's last real slot
+        got = argmax_last(jnp.asarray(w).reshape(-1, 1, width), block=block)
+        np.testing.assert_array_equal(np.asarray(got).ravel(), np.argmax(w, axis=-1),
+                                      err_msg=f"width {width}, block {block}")
     keys = jax.random.split(jax.random.PRNGKey(3), 400)
     finite = x[:3]
     got = jax.vmap(lambda k: categorical(k, finite))(keys)

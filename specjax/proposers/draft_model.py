@@ -20,7 +20,7 @@ from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
 from specjax.draft_tree import chain
 from specjax.model import causal_mask, forward
-from specjax.sampling import SamplingConfig, categorical, processed_logprobs
+from specjax.sampling import SamplingConfig, argmax_last, categorical, processed_logprobs
 
 
 @struct.dataclass
@@ -88,7 +88,7 @@ class DraftModelProposer:
         if self.use_logits and not sampling.greedy:
             logq = processed_logprobs(logits, sampling)
             return jax.vmap(categorical)(keys, logq), logq
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return argmax_last(logits), None
 
     def propose(self, params, state: DraftModelState, ctx, keys, sampling):
         b, s = ctx.tokens.shape
