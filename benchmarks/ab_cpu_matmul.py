@@ -4,10 +4,13 @@ kernel, in one process (arms alternate, ABAB by default).
     python benchmarks/ab_cpu_matmul.py --prompts ../shared/data/dev_prompts.jsonl --limit 3 \
         --methods vanilla,eagle2,pld:min_matching_ngram_size=2 --out runs/ab_cpu_matmul
     python benchmarks/ab_cpu_matmul.py --kernel attention ...   # specjax.cpu_attention
+    python benchmarks/ab_cpu_matmul.py --kernel half-draft ...  # float16 draft weights
 
 `--kernel matmul` (default) compares XLA's products with specjax.cpu_matmul's (attention on its
 default backend); `--kernel attention` compares the XLA attention reference with
-specjax.cpu_attention's kernel (products on the matmul kernel). Each arm is one
+specjax.cpu_attention's kernel (products on the matmul kernel); `--kernel half-draft` compares
+draft networks with float32 weights ("xla" arm) against float16 ones ("kernel" arm, the default:
+specjax.cpu_matmul.half_weights), both on the kernels. Each arm is one
 `specjax.bench.run_bench` (methods interleaved per prompt); the table gives each method's
 tokens/s per arm, the kernel's gain, and the speedup over the same arm's vanilla.
 """
@@ -21,13 +24,16 @@ from pathlib import Path
 from specjax.bench import machine, run_bench
 from specjax.compile_cache import enable_compile_cache
 from kernels_pallas import use_attention_backend
-from specjax.cpu_matmul import use_cpu_matmul
+from specjax.cpu_matmul import use_cpu_matmul, use_draft_weights
 
 
 def arm_setting(kernel: str, arm: str):
-    """The `with` block that runs `arm` ("xla" or "kernel") of `kernel` ("matmul" or "attention")."""
+    """The `with` block that runs `arm` ("xla" or "kernel") of `kernel` ("matmul", "attention" or
+    "half-draft")."""
     if kernel == "attention":
         return use_attention_backend("cpu" if arm == "kernel" else "xla")
+    if kernel == "half-draft":
+        return use_draft_weights("auto" if arm == "kernel" else "float32")
     return use_cpu_matmul(arm)
 
 
@@ -72,7 +78,7 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--arms", nargs="+", default=["xla", "kernel", "xla", "kernel"],
                     choices=["xla", "kernel"])
-    ap.add_argument("--kernel", choices=["matmul", "attention"], default="matmul")
+    ap.add_argument("--kernel", choices=["matmul", "attention", "half-draft"], default="matmul")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     enable_compile_cache()

@@ -24,6 +24,7 @@ SOURCES = tuple(sorted(_DIR.glob("*.cc")))
 HEADERS = tuple(sorted(_DIR.glob("*.h")))
 # FFI target name -> handler symbol in the library.
 TARGETS = {"specjax_rows_matmul": "SpecjaxRowsMatmul",
+           "specjax_rows_matmul_f16": "SpecjaxRowsMatmulF16",
            "specjax_paged_attention": "SpecjaxPagedAttention"}
 
 
@@ -43,8 +44,8 @@ def unsupported_reason() -> str | None:
     """Why the kernels cannot run here, or None when they can (they may still fail to build)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"an x86-64 CPU is needed (this is {platform.machine()})"
-    if not {"avx2", "fma"} <= cpu_flags():
-        return "the CPU lacks AVX2 or FMA"
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        return "the CPU lacks AVX2, FMA or F16C"
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         return "no C++ compiler (g++ or $CXX) to build it"
     return None

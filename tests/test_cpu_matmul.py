@@ -49,6 +49,29 @@ def test_a_row_does_not_depend_on_how_many_rows_share_the_pass():
 
 
 @needs_kernel
+@pytest.mark.parametrize("k", [7, 45, 576])
+def test_float16_weights_give_the_float32_kernel_result_of_the_widened_weight(k):
+    """A float16 weight (half the bytes to stream) is widened exactly: bit-identical to the
+    float32 kernel on w.astype(float32) for 1-16 rows, and XLA's product without the kernel."""
+    rng = np.random.default_rng(k + 1)
+    w16 = jnp.asarray(rng.standard_normal((203, k)).astype(np.float16))
+    w32 = w16.astype(jnp.float32)
+    with use_cpu_matmul("kernel"):
+        f = jax.jit(linear)
+        assert TARGET + "_f16" in _hlo(linear, jnp.zeros((3, k)), w16)
+        for m in range(1, 17):
+            x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+            got = np.asarray(f(x, w16))
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, np.asarray(f(x, w32)))
+    x = jnp.asarray(rng.standard_normal((5, k)).astype(np.float32))
+    with use_cpu_matmul("xla"):
+        assert TARGET not in _hlo(linear, x, w16)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, w16)),
+                                   np.asarray(x) @ np.asarray(w32).T, rtol=2e-5, atol=2e-4)
+
+
+@needs_kernel
 def test_leading_axes_head_and_gradients():
     """[B, T, D] inputs, the float32 output head, and gradients (XLA's products backward)."""
     rng = np.random.default_rng(2)

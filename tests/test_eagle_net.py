@@ -186,3 +186,33 @@ def test_heads_recommend_decoding_defaults(eagle_dir, tmp_path, tiny_llama):
     assert params["lm_head"].shape[0] == 24
     p, _ = make_proposer("eagle", model, heads=str(out))  # nothing recommended for EAGLE-1
     assert p.tree_size == 26
+
+
+def test_draft_weights_are_float16_on_the_cpu_kernel_and_output_stays_vanilla(eagle_dir,
+                                                                               tmp_path,
+                                                                               tiny_llama):
+    """On the CPU matmul kernel the draft's own matrices (fc, layers, its lm_head rows) are
+    float16 (half the bytes per draft pass); SPECJAX_DRAFT_WEIGHTS=float32 keeps them float32.
+    Either way the target's embedding is untouched and greedy output equals vanilla."""
+    import jax
+
+    from specjax import Engine, load_model
+    from specjax.cpu_matmul import kernel_in_use, use_draft_weights
+    from specjax.methods import make_proposer
+
+    d, _, _, _ = eagle_dir
+    out = convert_eagle(d, tmp_path / "sj")
+    model = load_model(str(tiny_llama[0]))
+    prompts = [[3, 17, 42, 5, 9], [11, 2, 7]]
+    eng = Engine(model.params, model.config, num_pages=64, page_size=4)
+    vanilla = eng.generate(prompts, 12, eos_token_ids=()).token_ids
+    half = jnp.float16 if kernel_in_use() else jnp.float32
+    for setting, want in (("auto", half), ("float32", jnp.float32)):
+        with use_draft_weights(setting):
+            p, params = make_proposer("eagle2", model, heads=str(out), eagle_total_tokens=6,
+                                      eagle_depth=3, eagle_top_k=2)
+        mats = [a for a in jax.tree_util.tree_leaves(params["net"]) if a.ndim == 2]
+        assert mats and {a.dtype for a in mats} == {jnp.dtype(want)}
+        assert params["lm_head"].dtype == want and params["embed"].dtype == jnp.float32
+        spec = eng.generate(prompts, 12, eos_token_ids=(), proposer=p, proposer_params=params)
+        assert spec.token_ids == vanilla

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 
@@ -27,7 +28,11 @@ inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float vhmax(Vec v) { return _mm512_reduce_max_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
+// kLanes IEEE half-precision values widened to float32 (exact).
+inline Vec vload(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 using Vec = __m256;
 constexpr int kLanes = 8;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -45,6 +50,9 @@ inline float vsum(Vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline Vec vload(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline float vhmax(Vec v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -52,10 +60,14 @@ inline float vhmax(Vec v) {
   return _mm_cvtss_f32(s);
 }
 #else
-#error "specjax's CPU kernels need AVX2 and FMA, or AVX-512"
+#error "specjax's CPU kernels need AVX2, FMA and F16C, or AVX-512"
 #endif
 
-inline void prefetch(const float* p) {
+inline float to_float(float a) { return a; }
+inline float to_float(uint16_t a) { return _cvtsh_ss(a); }  // IEEE half -> float32, exact
+
+template <typename T>
+inline void prefetch(const T* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 

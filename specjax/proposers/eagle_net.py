@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import decoder_layers, head_logits
+from specjax.model import decoder_layers, head_logits, linear
 
 
 def eagle_forward(params, config: ModelConfig, embed, tokens, features, positions,
@@ -27,9 +27,10 @@ def eagle_forward(params, config: ModelConfig, embed, tokens, features, position
     if valid is None:
         valid = jnp.ones((b, t), bool)
     x = jnp.concatenate([embed[tokens], features.astype(embed.dtype)], axis=-1)
-    x = x @ params["fc"]["kernel"]
-    if "bias" in params["fc"]:
-        x = x + params["fc"]["bias"]
+    fc = params["fc"]  # "kernel" [2D, D] as trained, or "weight" [D, 2D] as `linear` takes it
+    x = linear(x, fc["weight"]) if "weight" in fc else x @ fc["kernel"]
+    if "bias" in fc:
+        x = x + fc["bias"]
     x, cache, _, _ = decoder_layers(params["layers"], config, x, positions, cache, tree_mask,
                                     valid, slots=slots)
     return x, cache
