@@ -204,12 +204,12 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
                                                                       draft_vocab)
         except ValueError as e:
             raise MethodError(str(e)) from None
-    if method != "eagle3":  # the fc as `linear` takes it, [D, 2D]
-        params["net"]["fc"] = {**params["net"]["fc"], "weight": params["net"]["fc"]["kernel"].T}
-        del params["net"]["fc"]["kernel"]
-    # the draft's own products in float16 on the CPU kernel (the target's embedding stays)
-    own = ("layers", "lm_head") if method == "eagle3" else ("layers", "fc")  # EAGLE-3's fc
-    params["net"] = {**params["net"], **half_weights(  # stays: it fuses [.., 3D] features
+    # the fc as `linear` takes it ([D, 2D], EAGLE-3 [D, 3D]), and the draft's own products in
+    # float16 on the CPU kernel (the target's embedding stays)
+    params["net"]["fc"] = {**params["net"]["fc"], "weight": params["net"]["fc"]["kernel"].T}
+    del params["net"]["fc"]["kernel"]
+    own = ("layers", "fc", "lm_head") if method == "eagle3" else ("layers", "fc")
+    params["net"] = {**params["net"], **half_weights(
         {k: v for k, v in params["net"].items() if k in own})}
     if "lm_head" in params and method != "eagle3":
         params["lm_head"] = half_weights(params["lm_head"])

@@ -44,8 +44,11 @@ def eagle3_feature_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 def eagle3_fuse(params, features3):
     """[.., 3D] concatenated target features -> [.., D] draft input (the `fc`)."""
-    fc = params["fc"]
-    x = features3.astype(fc["kernel"].dtype) @ fc["kernel"]
+    fc = params["fc"]  # "kernel" [3D, D] as trained, or "weight" [D, 3D] as `linear` takes it
+    if "weight" in fc:
+        x = linear(features3.astype(jnp.float32), fc["weight"])
+    else:
+        x = features3.astype(fc["kernel"].dtype) @ fc["kernel"]
     return x + fc["bias"] if "bias" in fc else x
 
 
