@@ -14,8 +14,8 @@ XLA FFI custom call. Chosen when a function is traced:
 - `auto` uses the kernel for float32 rows times float32 or float16 weights (widened exactly in
   registers: a float16 weight streams half the bytes), at most `MAX_ROWS` rows, when the process
   has a single device (a custom call cannot be split over a mesh by XLA's partitioner) on an
-  x86-64 CPU with AVX2, FMA and F16C, and g++ builds it; XLA's product otherwise. `kernel` raises instead of
-  falling back when it cannot be built. Lowering for another platform (GPU export) always takes
+  x86-64 CPU with AVX2, FMA and F16C, and g++ builds it; XLA's product otherwise. `kernel`
+  raises instead of falling back when it cannot be built. Lowering for another platform (GPU export) always takes
   XLA's product.
 """
 

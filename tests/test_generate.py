@@ -136,7 +136,8 @@ def test_argmax_last_and_categorical_give_what_jax_gives():
     late_nan = np.where(np.arange(500) == 333, np.nan, rng.normal(size=500) * 100)
     infs = np.where(np.isin(np.arange(500), [3, 200]), np.inf, 0.0)
     neg_nan = np.where(np.arange(500) == 250, -np.nan, np.where(np.arange(500) == 9, np.inf, 0.0))
-    wide = np.concatenate([rows, np.stack([ties, last, late_nan, infs, neg_nan]).astype(np.float32)])
+    extra = np.stack([ties, last, late_nan, infs, neg_nan]).astype(np.float32)
+    wide = np.concatenate([rows, extra])
     for width, block in ((500, 16), (500, 25), (480, 8), (49152, 1024), (49999, 1024)):
         w = np.resize(wide, (wide.shape[0], width)) if width > 500 else wide[:, :width]
         if width > 500:
