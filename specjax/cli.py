@@ -65,6 +65,10 @@ def _add_generate(sub):
     k = p.add_argument_group("pld (Prompt-Lookup)")
     k.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     k.add_argument("--max-matching-ngram-size", type=int, default=3)
+    k.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
+                   help="medusa, eagle methods, redrafter: also draft the prompt-lookup "
+                        "continuation (up to N tokens, n-grams of --min/--max-matching-ngram-"
+                        "size) grafted onto the tree, verified in the same pass")
     md = p.add_argument_group("medusa")
     md.add_argument("--heads", default=None, help="draft-head checkpoint (specjax format)")
     md.add_argument("--medusa-choices", default=None,
@@ -274,7 +278,7 @@ def cmd_generate(args) -> int:
         redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
         redrafter_greedy_search=not args.redrafter_no_greedy_search,
         redrafter_warp_top_k=args.redrafter_warp_top_k or None, lookahead=args.lookahead_wng,
-        lookahead_accept_window=args.lookahead_accept_window)
+        lookahead_accept_window=args.lookahead_accept_window, lookup_tokens=args.lookup_tokens)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))

@@ -60,7 +60,7 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   redrafter_draft_len_per_beam: int | None = None,
                   redrafter_greedy_search: bool = True,
                   redrafter_warp_top_k: int | None = 50, lookahead=(7, 5, 7),
-                  lookahead_accept_window: bool = False):
+                  lookahead_accept_window: bool = False, lookup_tokens: int | None = None):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
 
     draft: `draft_model` (a path or name of any model with the target's vocabulary), or else a
@@ -70,7 +70,12 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     the root (see LookaheadProposer.accept_window).
     Head methods: options left None take the head checkpoint's `decoding_defaults` for the
     method (the tree sizes its model card recommends), else the method's own defaults.
+    lookup_tokens: graft a prompt-lookup chain of up to N tokens (n-grams of
+    `min/max_matching_ngram_size`) onto a head method's tree (`LookupGraftProposer`).
     """
+    if lookup_tokens is not None:
+        return _grafted(method, target, lookup_tokens, max_matching_ngram_size,
+                        min_matching_ngram_size, locals())
     if min_draft_prob is not None:
         if method not in ("medusa", "eagle", "eagle2", "eagle3"):
             raise MethodError(f"--min-draft-prob applies to medusa and the eagle methods, "
@@ -144,6 +149,27 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                 raise
             raise MethodError(str(e)) from None
     raise MethodError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
+
+
+def _grafted(method: str, target: Model, lookup_tokens: int, max_ngram: int, min_ngram: int,
+             options: dict):
+    """`method`'s proposer with a prompt-lookup chain grafted onto its trees."""
+    from specjax.proposers.lookup_graft import LookupGraftProposer
+
+    if method not in HEAD_KINDS:
+        raise MethodError(f"--lookup-tokens grafts prompt lookup onto a head method's tree "
+                          f"({', '.join(HEAD_KINDS)}), not {method}")
+    try:
+        lookup = PromptLookupProposer(int(lookup_tokens), max_ngram, min_ngram)
+    except ValueError as e:
+        raise MethodError(f"--lookup-tokens: {e}") from None
+    options = {k: v for k, v in options.items()
+               if k not in ("method", "target", "lookup_tokens")}
+    base, params = make_proposer(method, target, **options)
+    try:
+        return LookupGraftProposer(base, lookup), params
+    except ValueError as e:
+        raise MethodError(str(e)) from None
 
 
 def _lookahead(target: Model, wng, accept_window: bool = False):

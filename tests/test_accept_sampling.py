@@ -334,7 +334,8 @@ def _tree_proposer(method, target):
                       "lm_head": lm_head_weight(target)}
 
 
-@pytest.mark.parametrize("method", ["pld", "draft-residual", "medusa", "eagle2", "redrafter"])
+@pytest.mark.parametrize("method", ["pld", "draft-residual", "medusa", "eagle2", "redrafter",
+                                    "eagle2-lookup"])
 def test_engine_sampling_is_lossless(models, tables, method):
     target, draft = models
     if method == "pld":
@@ -343,6 +344,12 @@ def test_engine_sampling_is_lossless(models, tables, method):
     elif method in ("medusa", "eagle2", "redrafter"):
         sampling = SamplingConfig(temperature=0.8, top_p=0.95)
         proposer, params = _tree_proposer(method, target)
+    elif method == "eagle2-lookup":  # PROMPT ends in "1 5", seen before: lookup drafts "9 2"
+        from specjax.proposers.lookup_graft import LookupGraftProposer
+
+        sampling = SamplingConfig(temperature=0.8, top_p=0.95)
+        base, params = _tree_proposer("eagle2", target)
+        proposer = LookupGraftProposer(base, PromptLookupProposer(2, 2, 1))
     else:
         sampling = SamplingConfig(temperature=1.0, top_p=0.9)
         proposer, params = DraftModelProposer(DRAFT_CFG, max_draft_len=2, use_logits=True), draft

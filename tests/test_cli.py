@@ -279,6 +279,15 @@ def test_error_min_draft_prob(capsys, model_dir, method, value, words):
                  "--min-draft-prob", value, words=words)
 
 
+@pytest.mark.parametrize("method,value,words", [
+    ("pld", "4", ("--lookup-tokens", "pld")),
+    ("eagle2", "0", ("--lookup-tokens", ">= 1", "0")),
+])
+def test_error_lookup_tokens(capsys, model_dir, method, value, words):
+    assert_error(capsys, "generate", "--model", model_dir, "--prompt", "hi", "--method", method,
+                 "--lookup-tokens", value, words=words)
+
+
 def test_error_missing_prompts_file(capsys, tmp_path, model_dir):
     missing = tmp_path / "nope.jsonl"
     assert_error(capsys, "generate", "--model", model_dir, "--prompts-file", missing,

@@ -17,14 +17,14 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
 PROMPTS = [[3, 9, 27, 17, 51, 25, 11, 33, 35, 41], [5, 5, 5, 6], [1, 2]]
 
 
-def random_eagle(key, scale=0.3):
-    draft_cfg = dataclasses.replace(CFG, num_layers=1)
-    layer = init_params(draft_cfg, key, scale=scale)["layers"][0]
-    del layer["attn_norm"]  # EAGLE's first layer has no input norm
+def random_eagle(key, scale=0.3, layers=1):
+    draft_cfg = dataclasses.replace(CFG, num_layers=layers)
+    stack = init_params(draft_cfg, key, scale=scale)["layers"]
+    del stack[0]["attn_norm"]  # EAGLE's first layer has no input norm
     k1, k2 = jax.random.split(key)
     fc = {"kernel": scale * jax.random.normal(k1, (2 * CFG.hidden_size, CFG.hidden_size)),
           "bias": scale * jax.random.normal(k2, (CFG.hidden_size,))}
-    return draft_cfg, {"fc": fc, "layers": [layer]}
+    return draft_cfg, {"fc": fc, "layers": stack}
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +107,13 @@ TREE_PROPOSERS = {
     "eagle1-small": lambda cfg: EagleTreeProposer(cfg, eagle_choices=((0, 0, 0), (1, 0), (2,))),
     "eagle2-small": lambda cfg: EagleDynamicProposer(cfg, total_tokens=12, depth=3, top_k=3),
     "eagle2-default": lambda cfg: EagleDynamicProposer(cfg),
+    "eagle2-two-layers": lambda cfg: EagleDynamicProposer(cfg, total_tokens=6, depth=3, top_k=2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(TREE_PROPOSERS))
 def test_tree_greedy_equals_vanilla(target, name):
-    draft_cfg, net = random_eagle(jax.random.PRNGKey(3))
+    draft_cfg, net = random_eagle(jax.random.PRNGKey(3), layers=2 if "two" in name else 1)
     proposer = TREE_PROPOSERS[name](draft_cfg)
     pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
     eng = Engine(target, CFG, num_pages=256, page_size=4)

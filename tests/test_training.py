@@ -451,6 +451,43 @@ def test_unroll_equals_sequential_drafting(variant):
             np.testing.assert_allclose(got[i, bi, ti], read(h), rtol=1e-4, atol=1e-4)
 
 
+def test_grown_eagle_draft_starts_as_the_trained_one(tmp_path):
+    """--num-layers 2 --init-heads <1-layer heads>: the added layer is the identity until
+    trained, so the grown draft predicts exactly what the heads did; fewer layers are refused."""
+    from specjax import ModelConfig, init_params
+    from specjax.heads import save_heads
+    from training.methods import make_method
+
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=128)
+    base = init_params(cfg, jax.random.PRNGKey(0), scale=0.5)
+    one = make_method("eagle")
+    params = one.init_params(jax.random.PRNGKey(1), {"base": base}, cfg)
+    params = jax.tree_util.tree_map(
+        lambda a: a + 0.3 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape), params)
+    variables, meta = one.export(params, {}, cfg)
+    save_heads(tmp_path / "h", "eagle", variables, meta)
+    two = make_method("eagle", num_layers=2, steps=2)
+    grown = two.params_from_heads(tmp_path / "h", cfg)
+    assert len(grown["layers"]) == 2 and not np.any(np.asarray(grown["layers"][1]["wo"]))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 40, (2, 6)), jnp.int32)
+    feats = jnp.asarray(rng.normal(size=(2, 6, 16)), jnp.float32)
+    valid = jnp.ones((2, 6), bool)
+    want = make_method("eagle", steps=2).draft(params, base, cfg, tokens, feats, valid)
+    got = two.draft(grown, base, cfg, tokens, feats, valid)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    # the grown draft trains: its new layer's output projection gets a gradient
+    grad = jax.grad(lambda p: sum(jnp.sum(x ** 2) for x in two.draft(p, base, cfg, tokens,
+                                                                      feats, valid)))(grown)
+    assert np.any(np.asarray(grad["layers"][1]["wo"]))
+    variables, meta = two.export(grown, {}, cfg)
+    save_heads(tmp_path / "h2", "eagle", variables, meta)
+    with pytest.raises(ValueError, match="2 layers, the run asks for 1"):
+        one.params_from_heads(tmp_path / "h2", cfg)
+
+
 def test_eagle_noise_is_uniform_and_scaled_by_length():
     feats = jnp.zeros((2, 64, 32))
     lengths = jnp.asarray([64, 256])
@@ -661,6 +698,9 @@ def test_train_resume_and_decode(setup, method, tmp_path, capsys):
 
     if method in CLI_METHODS:
         assert _generate(gen + ["--method", method, "--heads", heads], capsys) == vanilla
+        # with the prompt-lookup continuation grafted onto the tree
+        assert _generate(gen + ["--method", method, "--heads", heads, "--lookup-tokens", "3"],
+                         capsys) == vanilla
     if method != "medusa":  # the trainer's own proposer (EAGLE: the chain drafter)
         from specjax.generate import Engine
         from specjax.loading import load_model

@@ -190,6 +190,17 @@ def unroll_draft(forward, params, dcfg: ModelConfig, embed, tokens, features, va
     return outs
 
 
+def grown_layers(layers: list, num_layers: int) -> list:
+    """`layers` extended to `num_layers` decoder layers that start as the identity: each new
+    layer copies the last one with its output projections (attention's `wo`, the MLP's `w_down`)
+    zeroed, so a draft grown from trained heads first predicts exactly what they did and the
+    new layers learn a correction (both residual branches add zero until trained)."""
+    last = dict(layers[-1])
+    last.setdefault("attn_norm", jnp.ones_like(last["mlp_norm"]))  # first layer has none
+    new = dict(last, wo=jnp.zeros_like(last["wo"]), w_down=jnp.zeros_like(last["w_down"]))
+    return list(layers) + [dict(new) for _ in range(num_layers - len(layers))]
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleMethod(TrainMethod):
     """EAGLE-1 (used by EAGLE-2 too): fc([embed(t+1); f_t]) -> decoder layer(s) regress f_{t+1}.
@@ -292,10 +303,12 @@ class EagleMethod(TrainMethod):
         check_compatible(meta, config, path)
         dcfg, params = load_eagle_heads(path)
         params.pop("draft_ids", None)  # recomputed from the data (constants)
-        if dcfg.num_layers != self.num_layers:
+        if dcfg.num_layers > self.num_layers:
             raise ValueError(f"{path} holds an EAGLE draft of {dcfg.num_layers} layers, the run "
                              f"asks for {self.num_layers}")
-        return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+        params["layers"] = grown_layers(params["layers"], self.num_layers)
+        return params
 
     def proposer(self, heads_dir, model, **options):
         from specjax.heads import check_compatible, load_heads

@@ -1,0 +1,93 @@
+"""Prompt lookup grafted onto a drafter's tree: the merged trie, and greedy output = vanilla."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import Engine, ModelConfig, init_params
+from specjax.draft_tree import DraftTree
+from specjax.model import lm_head_weight
+from specjax.proposers import PromptLookupProposer
+from specjax.proposers.eagle import EagleDynamicProposer
+from specjax.proposers.lookup_graft import LookupGraftProposer, graft_chain
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+
+
+def _tree(batch, acceptable=None):
+    """root 5 -> 7 (node 1), 8 (node 2); 7 -> 9 (node 3)."""
+    rep = lambda x: jnp.asarray([x] * batch)  # noqa: E731
+    return DraftTree(tokens=rep([5, 7, 8, 9]), parent=rep([-1, 0, 0, 1]), depth=rep([0, 1, 1, 2]),
+                     valid=jnp.ones((batch, 4), bool),
+                     acceptable=None if acceptable is None else rep(acceptable))
+
+
+def test_graft_shares_the_tree_prefix_and_hangs_the_rest():
+    chain = jnp.asarray([[7, 9, 4, 6], [7, 3, 1, 1], [2, 2, 2, 2], [8, 1, 0, 0], [7, 9, 4, 6]])
+    g = graft_chain(_tree(5), chain, jnp.asarray([4, 2, 0, 1, 2]))
+    np.testing.assert_array_equal(g.tokens[:, 4:6], [[4, 6], [3, 0], [0, 0], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(g.parent[:, 4:6], [[3, 4], [1, -1], [-1, -1], [-1, -1],
+                                                     [-1, -1]])
+    np.testing.assert_array_equal(g.depth[:, 4:6], [[3, 4], [2, 0], [0, 0], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(g.valid[:, 4:], [[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0],
+                                                   [0, 0, 0, 0], [0, 0, 0, 0]])
+    assert g.tokens.shape == (5, 8) and g.acceptable is None
+    np.testing.assert_array_equal(g.tokens[:, :4], _tree(5).tokens)  # the tree is unchanged
+
+
+def test_graft_never_shares_nodes_acceptance_may_not_follow():
+    """A node acceptance skips (Lookahead's window) is not a prefix of the grafted chain."""
+    g = graft_chain(_tree(1, acceptable=[True, False, True, True]), jnp.asarray([[7, 9]]),
+                    jnp.asarray([2]))
+    np.testing.assert_array_equal(g.parent[0, 4:], [0, 4])
+    np.testing.assert_array_equal(g.acceptable[0], [1, 0, 1, 1, 1, 1])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+
+
+def _eagle2(target):
+    draft_cfg = dataclasses.replace(CFG, num_layers=1)
+    key = jax.random.PRNGKey(3)
+    layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
+    del layer["attn_norm"]
+    fc = {"kernel": 0.3 * jax.random.normal(key, (2 * CFG.hidden_size, CFG.hidden_size))}
+    return (EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=2),
+            {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
+             "lm_head": lm_head_weight(target)})
+
+
+def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
+    prompts = [[3, 9, 27, 17, 3, 9, 27, 17, 3, 9], [5, 6, 7, 8, 5, 6], [1, 2]]
+    base, params = _eagle2(target)
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(prompts, 40, eos_token_ids=())
+    alone = eng.generate(prompts, 40, eos_token_ids=(), proposer=base, proposer_params=params)
+    graft = LookupGraftProposer(base, PromptLookupProposer(6, 3, 1))
+    assert graft.tree_size == 11 and graft.draft_scratch == base.draft_scratch
+    both = eng.generate(prompts, 40, eos_token_ids=(), proposer=graft, proposer_params=params)
+    assert both.token_ids == vanilla.token_ids == alone.token_ids
+    # the random target falls into loops that lookup finds and the random draft does not
+    assert sum(both.steps) < sum(alone.steps)
+
+
+def test_graft_refuses_lossy_rules_and_bad_options(target):
+    from specjax.loading import Model
+    from specjax.methods import MethodError, make_proposer
+
+    base, _ = _eagle2(target)
+    with pytest.raises(ValueError, match="`match` rule"):
+        LookupGraftProposer(dataclasses.replace(base, rule="residual"))
+    model = Model(params=target, config=CFG, path=None, hf_config={})
+    with pytest.raises(MethodError, match="not pld"):
+        make_proposer("pld", model, lookup_tokens=4)
+    with pytest.raises(MethodError, match="prompt_lookup_num_tokens must be >= 1"):
+        make_proposer("eagle2", model, lookup_tokens=0, heads="unused")
