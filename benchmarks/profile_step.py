@@ -51,6 +51,7 @@ def main(argv=None):
                     help="make_proposer option KEY=VALUE (repeatable)")
     ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
     ap.add_argument("--category", default="math")
+    ap.add_argument("--nth", type=int, default=0, help="which of the category's prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=10, help="also list the N costliest ops")
     args = ap.parse_args(argv)
@@ -77,7 +78,7 @@ def main(argv=None):
         except json.JSONDecodeError:
             options[key] = value
     model = load_model(args.model)
-    prompt = read_bench_prompts(args.prompts, [args.category], 1)[0]
+    prompt = read_bench_prompts(args.prompts, [args.category], args.nth + 1)[args.nth]
     ids = encode_prompt(model.tokenizer, prompt["text"], False)
     engine = Engine(model.params, model.config)
     proposer, proposer_params = make_proposer(args.method, model, **options)

@@ -187,6 +187,9 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
                 kw = dict(proposer=proposer, proposer_params=pparams, sampling=sampling,
                           seeds=[seed + n])
                 engine.generate([prompt], max_new_tokens, warmup=True, **kw)
+                # every method prefills the whole prompt, as a first request does: none reuses
+                # the pages an earlier method's run of the same prompt published
+                engine.allocator.forget_prefixes()
                 out = engine.generate([prompt], max_new_tokens, **kw)
                 rec = {"tokens": len(out.token_ids[0]), "seconds": out.seconds,
                        "steps": out.steps[0], "token_ids": out.token_ids[0]}

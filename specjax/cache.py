@@ -146,6 +146,13 @@ class PageAllocator:
             self._hash_to_page[h] = page
             self._page_to_hash[page] = h
 
+    def forget_prefixes(self) -> None:
+        """Unpublish every cached prefix: later requests prefill their whole prompt (pages and
+        their contents are untouched). Benchmarks call it so that no method reuses the prompt
+        another method's run left in the cache."""
+        self._hash_to_page.clear()
+        self._page_to_hash.clear()
+
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference to each page; unreferenced pages return to the free list."""
         for p in pages:

@@ -20,7 +20,19 @@ def prompt_file(tmp_path):
     return f
 
 
-def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path, capsys):
+def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path, capsys,
+                                             monkeypatch):
+    from specjax.generate import Engine
+
+    timed = []  # every timed run prefills its whole prompt: none reuses another run's pages
+    real = Engine.generate
+
+    def spy(self, prompts, *args, warmup=False, **kw):
+        if not warmup:
+            timed.append(all(self.allocator.match_prefix(p[:-1]) == [] for p in prompts))
+        return real(self, prompts, *args, warmup=warmup, **kw)
+
+    monkeypatch.setattr(Engine, "generate", spy)
     out = tmp_path / "bench"
     args = ["bench", "--model", str(tiny_llama[0]), "--methods", "vanilla,pld:prompt_lookup_num_tokens=3",
             "--prompts", str(prompt_file), "--max-new-tokens", "12", "--out", str(out),
@@ -41,6 +53,7 @@ def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path,
         if r["method"] == "vanilla":
             assert r["speedup_vs_vanilla"] == 1.0 and r["mean_accepted"] == 1.0
     assert [r["prompts"] for r in rows if r["method"] == "vanilla"] == [1, 2]
+    assert len(timed) == 6 and all(timed)
     # The markdown table and the JSON agree, row by row.
     table = (out / "results.md").read_text().splitlines()
     body = [line for line in table if line.startswith("| ") and not line.startswith("| category")]

@@ -50,6 +50,12 @@ def test_prefix_reuse_bookkeeping():
     pages4, cached4 = a.allocate(8, reusable_tokens=tokens)
     assert cached4 == 8 and pages4 == pages[:2]
     a.free(pages4)
+    # ...until the prefixes are forgotten (what benchmarks do between methods' runs)
+    a.forget_prefixes()
+    pages5, cached5 = a.allocate(8, reusable_tokens=tokens)
+    assert cached5 == 0 and a.match_prefix(tokens) == []
+    a.free(pages5)
+    assert a.num_free == 10
 
 
 def test_reallocated_page_loses_its_hash():
