@@ -32,6 +32,9 @@ def main(argv=None):
     ap.add_argument("--methods", default=None, help="comma-free subset: METHOD;METHOD;...")
     args = ap.parse_args(argv)
     from specjax.bench import run_bench
+    from specjax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()
 
     methods = args.methods.split(";") if args.methods else METHODS
     run_bench("smollm2-135m", methods, args.prompts, args.out, limit=args.limit)

@@ -136,6 +136,7 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     """Run the benchmark; writes records.jsonl, results.json, results.md and results.png in
     out_dir and returns the results dict. sampling: a SamplingConfig (default greedy); every
     method and peer samples with it, prompt i with seed + i."""
+    import jax
     from tqdm import tqdm
 
     from specjax import Engine, SamplingConfig, load_model
@@ -175,7 +176,13 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     todo = [(n, p, e, m) for n, (p, e) in enumerate(zip(prompts, encoded)) for m in labels
             if (p["category"], p["index"], m) not in done]
     with records_path.open("a") as log:
+        last = None
         for n, p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
+            if n != last and last is not None:
+                # every method's programs for the last prompt's shapes would stay in memory (past
+                # the box's 24 GiB over a long run); a warmup recompiles or reloads them
+                jax.clear_caches()
+            last = n
             if label in PEERS:
                 if hf is None:
                     hf, hf_draft = _hf_models(model, draft_opts.get("draft_layers", 8),
@@ -186,10 +193,11 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
                 proposer, pparams = proposers[label]
                 kw = dict(proposer=proposer, proposer_params=pparams, sampling=sampling,
                           seeds=[seed + n])
-                engine.generate([prompt], max_new_tokens, warmup=True, **kw)
                 # every method prefills the whole prompt, as a first request does: none reuses
-                # the pages an earlier method's run of the same prompt published
+                # the pages an earlier run published (the chat template's opening included), and
+                # the warmup compiles the very shapes the timed run uses
                 engine.allocator.forget_prefixes()
+                engine.generate([prompt], max_new_tokens, warmup=True, **kw)
                 out = engine.generate([prompt], max_new_tokens, **kw)
                 rec = {"tokens": len(out.token_ids[0]), "seconds": out.seconds,
                        "steps": out.steps[0], "token_ids": out.token_ids[0]}

@@ -25,6 +25,7 @@ SCRIPT = textwrap.dedent('''
     from specjax import Engine, ModelConfig, init_params
     from specjax.model import lm_head_weight
     from specjax.proposers.eagle import EagleDynamicProposer
+    from specjax.proposers.lookup_graft import LookupGraftProposer
     from specjax.proposers.medusa import MedusaProposer
     from specjax.proposers.prompt_lookup import PromptLookupProposer
     from specjax.sharding import ShardingError, make_mesh, shard_params
@@ -54,6 +55,9 @@ SCRIPT = textwrap.dedent('''
         "eagle2": (EagleDynamicProposer(draft_cfg, total_tokens=10, depth=3, top_k=3),
                    {"net": net, "embed": params["embed"], "lm_head": lm_head_weight(params)}),
     }
+    small = EagleDynamicProposer(draft_cfg, total_tokens=4, depth=2, top_k=2)
+    METHODS["eagle2-lookup"] = (LookupGraftProposer(small, PromptLookupProposer(3, 2)),
+                                METHODS["eagle2"][1])
 
     def run(mesh):
         eng = Engine(params, CFG, num_pages=64, page_size=4, mesh=mesh)
@@ -177,10 +181,10 @@ def test_greedy_outputs_match_one_device(runs, mesh):
     assert res["devices"] == 8
     ref = res["one_device"]
     # The methods are lossless: every one reproduces vanilla greedy decoding on one device ...
-    for name in ("pld", "medusa", "eagle2"):
+    for name in ("pld", "medusa", "eagle2", "eagle2-lookup"):
         assert ref[name]["tokens"] == ref["vanilla"]["tokens"], name
     assert all(len(t) == 16 for t in ref["vanilla"]["tokens"])
-    for name in ("pld", "medusa", "eagle2"):  # drafts were accepted: commits moved K/V
+    for name in ("pld", "medusa", "eagle2", "eagle2-lookup"):  # drafts were accepted: commits moved K/V
         assert sum(ref[name]["steps"]) < 3 * 16, name
     # ... and so does each on the mesh, drafting the same trees (same step counts).
     for name, r in res["meshes"][mesh].items():

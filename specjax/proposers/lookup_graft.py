@@ -84,10 +84,12 @@ class LookupGraftProposer:
     def tree_size(self) -> int:
         return self.base.tree_size + self.lookup.prompt_lookup_num_tokens
 
-    def __getattr__(self, name):  # needs_prompt_features, feature_layers, draft_scratch
-        if name in ("needs_prompt_features", "feature_layers", "draft_scratch"):
-            return getattr(self.base, name)
-        raise AttributeError(name)
+    def __getattr__(self, name):
+        """The base's optional attributes (needs_prompt_features, feature_layers, draft_scratch,
+        and config / variant for sharding its parameters)."""
+        if name.startswith("__") or name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     def make_pools(self, num_pages, page_size, dtype):
         return self.base.make_pools(num_pages, page_size, dtype)
