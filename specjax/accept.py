@@ -47,7 +47,7 @@ def _node_draws(logits, keys, sampling: SamplingConfig, logp=None):
     return jax.vmap(jax.vmap(categorical))(node_keys, logp)
 
 
-def _acceptable(tree: DraftTree):
+def acceptable_nodes(tree: DraftTree):
     """bool[B, T]: valid nodes that acceptance may follow (see DraftTree.acceptable)."""
     return tree.valid if tree.acceptable is None else tree.valid & tree.acceptable
 
@@ -81,7 +81,7 @@ def accept_match(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> Acc
     y = _node_draws(logits, keys, sampling)  # [B, T]
     parent = jnp.clip(tree.parent, 0, t - 1)
     parent_y = jnp.take_along_axis(y, parent, axis=1)
-    ok = _acceptable(tree)
+    ok = acceptable_nodes(tree)
     match = ok & (tree.parent >= 0) & (tree.tokens == parent_y)
     # Among (acceptable) siblings holding the same token only the first may be followed.
     same = ((tree.parent[:, :, None] == tree.parent[:, None, :])
@@ -133,7 +133,8 @@ def accept_typical(tree: DraftTree, logits, keys, sampling: SamplingConfig,
     parent = jnp.clip(tree.parent, 0, t - 1)
     p_parent = p[jnp.arange(b)[:, None], parent]  # [B, T, V]: p at each node's parent
     p_tok = jnp.take_along_axis(p_parent, tree.tokens[:, :, None], axis=2)[..., 0]
-    ok = _acceptable(tree) & (tree.parent >= 0) & (p_tok > jnp.take_along_axis(bar, parent, axis=1))
+    ok = (acceptable_nodes(tree) & (tree.parent >= 0)
+          & (p_tok > jnp.take_along_axis(bar, parent, axis=1)))
     return _follow(tree, ok, _node_draws(logits, keys, sampling, logp))
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from specjax.accept import acceptable_nodes
 from specjax.draft_tree import DraftTree
 from specjax.proposers.prompt_lookup import PromptLookupProposer
 
@@ -32,7 +33,7 @@ def graft_chain(tree: DraftTree, chain_tokens, count) -> DraftTree:
     b, t = tree.tokens.shape
     k = chain_tokens.shape[1]
     rows = jnp.arange(b)
-    ok = tree.valid if tree.acceptable is None else tree.valid & tree.acceptable
+    ok = acceptable_nodes(tree)
     cur = jnp.zeros((b,), jnp.int32)  # last shared node
     shared = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
