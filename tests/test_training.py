@@ -91,7 +91,9 @@ def test_cli_bad_prompt_files(tiny_llama, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option", [["--draft-steps", "0"], ["--num-heads", "0"],
-                                    ["--loss-positions", "-1"], ["--noise-std", "-0.1"]])
+                                    ["--loss-positions", "-1"], ["--noise-std", "-0.1"],
+                                    # options EAGLE does not have: refused, not ignored
+                                    ["--num-heads", "3"], ["--draft-vocab-size", "64"]])
 def test_cli_bad_method_options(tiny_llama, tmp_path, capsys, option):
     from specjax.cli import main
 
@@ -101,6 +103,14 @@ def test_cli_bad_method_options(tiny_llama, tmp_path, capsys, option):
     err = capsys.readouterr().err.strip()
     assert rc == 1 and option[0] in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_make_method_refuses_options_it_lacks():
+    from training.methods import make_method
+
+    with pytest.raises(ValueError, match="no option draft_steps"):
+        make_method("eagle", draft_steps=3)  # EAGLE's option is `steps`
+    assert make_method("eagle", steps=3, num_heads=None).steps == 3  # None: not set
 
 
 # ------------------------------------------------------------------------------------------

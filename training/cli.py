@@ -87,6 +87,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args):
+    from training.methods import method_options
     from training.train import TrainConfig, TrainError
 
     # The last five are method options: None means the method's default.
@@ -107,6 +108,10 @@ def config_from_args(args):
                "steps": args.draft_steps, "draft_vocab_size": args.draft_vocab_size,
                "loss_positions": args.loss_positions,
                "draft_vocab_loss": True if args.draft_vocab_loss else None}
+    foreign = [{"steps": "--draft-steps"}.get(k, "--" + k.replace("_", "-")) for k, v in options.items()
+               if v is not None and k not in method_options(args.method)]
+    if foreign:
+        raise TrainError(f"{', '.join(foreign)} does not apply to --method {args.method}")
     return TrainConfig(
         method=args.method, base=args.base, prompts=args.prompts, out=args.out, data=args.data,
         max_prompts=args.max_prompts or None, max_prompt_tokens=args.max_prompt_tokens,

@@ -576,9 +576,21 @@ METHODS: dict[str, type] = {"medusa": MedusaMethod, "eagle": EagleMethod, "eagle
 
 
 def make_method(name: str, **options) -> TrainMethod:
-    """The method `name` with the options it knows (others are ignored)."""
+    """The method `name` with `options` (None means the method's default).
+
+    An option the method does not have is refused rather than ignored: `--num-heads` on an EAGLE
+    run, or `draft_steps=` for `steps=`, would otherwise train something other than asked for.
+    """
+    fields = method_options(name)
+    unknown = sorted(k for k, v in options.items() if k not in fields and v is not None)
+    if unknown:
+        raise ValueError(f"training method '{name}' has no option {', '.join(unknown)} "
+                         f"(its options: {', '.join(sorted(fields))})")
+    return METHODS[name](**{k: v for k, v in options.items() if v is not None})
+
+
+def method_options(name: str) -> set[str]:
+    """The options training method `name` takes."""
     if name not in METHODS:
         raise ValueError(f"unknown training method '{name}' (available: {', '.join(METHODS)})")
-    cls = METHODS[name]
-    fields = {f.name for f in dataclasses.fields(cls)} - {"name", "kind"}
-    return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
+    return {f.name for f in dataclasses.fields(METHODS[name])} - {"name", "kind"}
