@@ -116,7 +116,8 @@ def decode(params, config, proposer, drafter_params, sampling, carry: Carry, sto
         tree, drafter = proposer.propose(drafter_params, c.drafter, ctx, step_keys(c, 1), sampling)
         # 2. Verify: ONE target forward pass over every node of every tree (tree attention mask).
         logits, hidden, cache = verify_pruned(params, config, c.cache, tree,
-                                              getattr(proposer, "feature_layers", ()))
+                                              getattr(proposer, "feature_layers", ()),
+                                              getattr(proposer, "likely_widths", ()))
         # 3. Accept: the longest root path whose tokens the target agrees with (lossless), and
         #    the target's own next token after it.
         result = accept(tree, logits, step_keys(c, 2), sampling, proposer.rule,

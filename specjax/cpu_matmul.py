@@ -35,8 +35,9 @@ SETTINGS = ("auto", "kernel", "xla")
 TARGET = "specjax_rows_matmul"  # the float32-weight target; the float16 one adds "_f16"
 TARGETS = {jnp.dtype(jnp.float32): TARGET,
            jnp.dtype(jnp.float16): "specjax_rows_matmul_f16"}
-# Up to this many rows the kernel (8 rows per pass over the weight, the later passes from cache)
-# beats XLA's GEMM or ties with it (README, "What one verify pass costs").
+# Up to this many rows the kernel (up to 14 rows per pass over the weight with AVX-512, 8 with
+# AVX2, the later passes from cache) beats XLA's GEMM or ties with it (README, "What one verify
+# pass costs").
 MAX_ROWS = 64
 _SETTING = TraceSetting(ENV_VAR, SETTINGS, "CPU matmul setting")
 # Draft networks' weights: `auto` = float16 when the kernel takes their products (half_weights).

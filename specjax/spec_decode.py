@@ -50,7 +50,8 @@ class Proposer(Protocol):
     `needs_prompt_features` (init() reads every prompt token's features), `feature_layers`
     (target layers whose concatenated outputs replace the final hidden state as features),
     `draft_scratch` (cache slots past the committed tokens the proposer writes, when more than
-    `tree_size`).
+    `tree_size`), `likely_widths` (numbers of leading nodes that are often the only valid ones,
+    verified at exactly that width: see `verify_pruned`).
     """
 
     tree_size: int  # T, nodes per draft tree (root included)
@@ -122,7 +123,8 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
                                         _step_keys(state.keys, state.lengths, 1), sampling)
     with jax.named_scope("verify"):
         logits, hidden, cache = verify_pruned(params, config, state.cache, tree,
-                                              getattr(proposer, "feature_layers", ()))
+                                              getattr(proposer, "feature_layers", ()),
+                                              getattr(proposer, "likely_widths", ()))
     with jax.named_scope("accept"):
         result = accept(tree, logits, _step_keys(state.keys, state.lengths, 2), sampling,
                         proposer.rule, **getattr(proposer, "rule_options", {}))

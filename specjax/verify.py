@@ -41,10 +41,12 @@ def padded_width(tree_size: int) -> int:
     return 8 if 4 < tree_size < 8 else 16 if 8 < tree_size < 16 else tree_size
 
 
-def verify_widths(tree_size: int) -> tuple[int, ...]:
-    """The static widths a tree of `tree_size` nodes may be verified at (see verify_pruned)."""
+def verify_widths(tree_size: int, likely: Sequence[int] = ()) -> tuple[int, ...]:
+    """The static widths a tree of `tree_size` nodes may be verified at (see verify_pruned),
+    with the `likely` ones (numbers of leading nodes the tree often has valid) among them."""
     return tuple(sorted({1, padded_width(tree_size)}
-                        | {w for w in (4, 8, 16, 64) if w < tree_size}))
+                        | {w for w in (4, 8, 16, 64) if w < tree_size}
+                        | {padded_width(w) for w in likely if 1 <= w < tree_size}))
 
 
 def _to_width(x, w: int, value=0):
@@ -63,7 +65,7 @@ def _resize(tree: DraftTree, w: int) -> DraftTree:
 
 
 def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
-                  feature_layers: Sequence[int] = ()):
+                  feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = ()):
     """`verify`, run only as wide as the batch's last valid node needs.
 
     A verify of T tokens costs up to ~2x a single-token pass on a CPU (small matrix products
@@ -71,10 +73,12 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
     the step costs what vanilla decoding costs. Nodes past the chosen width are invalid; their
     logits and hidden states come back as zeros. Returns (logits [B, T, V], hidden [B, T, D],
     cache); with `feature_layers` the hidden states are those layers' outputs concatenated
-    (EAGLE-3's features) instead of the final normed state.
+    (EAGLE-3's features) instead of the final normed state. `likely_widths`: numbers of leading
+    nodes that are often all the valid ones (a proposer's `likely_widths`, e.g. the learned tree
+    without the prompt-lookup graft), verified at exactly that width when they are.
     """
     b, t = tree.tokens.shape
-    widths = verify_widths(t)
+    widths = verify_widths(t, likely_widths)
     node = jnp.arange(t, dtype=jnp.int32)
     needed = jnp.max(jnp.where(tree.valid, node[None, :] + 1, 1))
     branch = jnp.searchsorted(jnp.asarray(widths), needed)

@@ -24,13 +24,14 @@ def _hlo(fn, *args) -> str:
 @needs_kernel
 @pytest.mark.parametrize("k", [7, 45, 576])
 def test_kernel_matches_numpy_for_every_row_count(k):
-    """1-16 rows (one and two passes of 8), columns and k not multiples of the register blocks."""
+    """1-30 rows (one, two and three passes over the weight), columns and k not multiples of the
+    register blocks."""
     rng = np.random.default_rng(k)
     w = rng.standard_normal((203, k)).astype(np.float32)
     with use_cpu_matmul("kernel"):
         f = jax.jit(linear)
         assert TARGET in _hlo(linear, jnp.zeros((3, k)), jnp.asarray(w))
-        for m in range(1, 17):
+        for m in range(1, 31):
             x = rng.standard_normal((m, k)).astype(np.float32)
             np.testing.assert_allclose(np.asarray(f(x, w)), x @ w.T, rtol=2e-5, atol=2e-4)
 
@@ -44,7 +45,7 @@ def test_a_row_does_not_depend_on_how_many_rows_share_the_pass():
     with use_cpu_matmul("kernel"):
         f = jax.jit(linear)
         alone = np.stack([np.asarray(f(x[i:i + 1], w))[0] for i in range(64)])
-        for m in (2, 4, 5, 8, 9, 16, 23, 64):
+        for m in (2, 4, 5, 8, 9, 10, 14, 15, 16, 23, 29, 64):
             np.testing.assert_array_equal(np.asarray(f(x[:m], w)), alone[:m])
 
 

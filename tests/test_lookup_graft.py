@@ -73,6 +73,7 @@ def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
     alone = eng.generate(prompts, 40, eos_token_ids=(), proposer=base, proposer_params=params)
     graft = LookupGraftProposer(base, PromptLookupProposer(6, 3, 1))
     assert graft.tree_size == 11 and graft.draft_scratch == base.draft_scratch
+    assert graft.likely_widths == (base.tree_size,)  # no continuation: the tree's own width
     both = eng.generate(prompts, 40, eos_token_ids=(), proposer=graft, proposer_params=params)
     assert both.token_ids == vanilla.token_ids == alone.token_ids
     # the random target falls into loops that lookup finds and the random draft does not

@@ -566,10 +566,12 @@ def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
     if unsupported_reason() is None:  # the CPU kernel has no costly widths: nothing is padded
         with use_cpu_matmul("kernel"):
             assert [verify_mod.padded_width(t) for t in (5, 7, 9, 15)] == [5, 7, 9, 15]
+            assert verify_mod.verify_widths(10, (5, 12)) == (1, 4, 5, 8, 10)
     monkeypatch.setattr(verify_mod, "kernel_in_use", lambda: False)  # XLA's products pad
     assert [verify_mod.padded_width(t) for t in (1, 4, 5, 7, 8, 9, 15, 16, 20, 64)] == \
         [1, 4, 8, 8, 8, 16, 16, 16, 20, 64]
     assert verify_mod.verify_widths(7) == (1, 4, 8) and verify_mod.verify_widths(9) == (1, 4, 8, 16)
+    assert verify_mod.verify_widths(10, (5,)) == (1, 4, 8, 16)  # a likely width is padded too
     cache, tree = _two_prefilled_trees(target, np.ones((2, 7), bool))
     monkeypatch.setattr(verify_mod, "attention_backend", lambda: backend)
     logits, hidden, got = jax.jit(
@@ -580,6 +582,23 @@ def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
     for a, w in zip(got.k_pages + got.v_pages, want.cache.k_pages + want.cache.v_pages):
         np.testing.assert_allclose(np.asarray(a)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5,
                                    atol=1e-5)  # (the last page is the write sink)
+
+
+def test_verify_at_a_likely_width_equals_the_whole_tree(target):
+    """A 7-node tree whose first 5 nodes are valid, verified at the likely width 5 (a graft
+    without a lookup continuation): the valid nodes' logits and features equal a whole pass."""
+    import specjax.verify as verify_mod
+
+    valid = np.array([[1] * 5 + [0] * 2] * 2, bool)
+    cache, tree = _two_prefilled_trees(target, valid)
+    logits, hidden, _ = jax.jit(lambda cache, tree: verify_mod.verify_pruned(
+        target, CFG, cache, tree, likely_widths=(5,)))(cache, tree)
+    want = jax.jit(lambda cache, tree: verify(target, CFG, cache, tree))(cache, tree)
+    np.testing.assert_allclose(np.asarray(logits)[:, :5], np.asarray(want.logits)[:, :5],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(hidden)[:, :5], np.asarray(want.hidden)[:, :5],
+                               rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(logits)[:, 5:])  # nodes past the width come back as zeros
 
 
 # ---------------------------------------------------------------------------------------------

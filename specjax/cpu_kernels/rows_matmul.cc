@@ -2,7 +2,7 @@
 //
 // Such passes are bound by streaming the weight from memory once; XLA:CPU's GEMM packs the
 // weight first and turns compute-bound from a few rows on. Here a block of R weight rows is
-// loaded once per vector of k and multiplied into up to 8 input rows from registers, and the
+// loaded once per vector of k and multiplied into up to 14 input rows (8 with AVX2) from registers, and the
 // next block's rows are prefetched so the memory stream keeps going while the FMAs run.
 //
 // Every output element is computed by the same sequence of operations whatever M, the block
@@ -54,13 +54,23 @@ template <typename W>
 using BlockFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
 
 // Register blocks chosen so R * M accumulators, R weight vectors and one x vector fit in the
-// register file (16 registers with AVX2, 32 with AVX-512).
+// register file (16 registers with AVX2, 32 with AVX-512): up to kPassRows input rows share one
+// pass over the weight, so a verify of up to that many rows streams it once. (With 15 or 16 rows
+// a one-register block waits on its loads; two passes of 8 rows are faster.)
+#if defined(__AVX512F__)
+constexpr int64_t kPassRows = 14;
+#else
+constexpr int64_t kPassRows = 8;
+#endif
+
 template <typename W>
 BlockFn<W> pick(int64_t m) {
 #if defined(__AVX512F__)
-  static constexpr BlockFn<W> fns[] = {block<W, 1, 4>, block<W, 2, 4>, block<W, 3, 4>,
-                                       block<W, 4, 4>, block<W, 5, 4>, block<W, 6, 4>,
-                                       block<W, 7, 3>, block<W, 8, 3>};
+  static constexpr BlockFn<W> fns[] = {
+      block<W, 1, 4>,  block<W, 2, 4>,  block<W, 3, 4>,  block<W, 4, 4>,
+      block<W, 5, 4>,  block<W, 6, 4>,  block<W, 7, 3>,  block<W, 8, 3>,
+      block<W, 9, 2>,  block<W, 10, 2>, block<W, 11, 2>, block<W, 12, 2>,
+      block<W, 13, 2>, block<W, 14, 2>};
 #else
   static constexpr BlockFn<W> fns[] = {block<W, 1, 4>, block<W, 2, 4>, block<W, 3, 3>,
                                        block<W, 4, 2>, block<W, 5, 2>, block<W, 6, 2>,
@@ -69,8 +79,9 @@ BlockFn<W> pick(int64_t m) {
   return fns[m - 1];
 }
 
-// Output rows in chunks of 96 (a multiple of every R above); input rows 8 at a time, the later
-// groups reading the chunk's weight rows from cache.
+// Output rows in chunks of 96 (a multiple of every R above); input rows in as few passes of at
+// most kPassRows as possible, of equal size, the later passes reading the chunk's weight rows
+// from cache.
 template <ffi::DataType WT>
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -85,9 +96,11 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (M == 0 || N == 0) return ffi::Error::Success();
   parallel_for(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
     int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      int64_t rows = std::min<int64_t>(8, M - m0);
+    const int64_t passes = (M + kPassRows - 1) / kPassRows;
+    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+      int64_t rows = (M - m0) / (passes - p);  // what is left, shared by the passes left
       pick<W>(rows)(xp + m0 * K, wp, yp + m0 * N, K, N, n0, n1);
+      m0 += rows;
     }
   });
   return ffi::Error::Success();

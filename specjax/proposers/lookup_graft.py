@@ -65,7 +65,8 @@ class LookupGraftProposer:
     whichever drafter proposed it, with the target's features of every accepted node); prompt
     lookup reads only the token buffer. The tree grows by `lookup.prompt_lookup_num_tokens`
     nodes, verified only when the lookup finds a continuation the tree does not hold already
-    (`verify_pruned` runs as wide as the last valid node).
+    (`verify_pruned` runs as wide as the last valid node, the base tree's width among its
+    choices: `likely_widths`).
     """
 
     base: Any
@@ -84,6 +85,11 @@ class LookupGraftProposer:
     @property
     def tree_size(self) -> int:
         return self.base.tree_size + self.lookup.prompt_lookup_num_tokens
+
+    @property
+    def likely_widths(self) -> tuple[int, ...]:
+        """Without a continuation of its own the lookup adds no node: the base tree alone."""
+        return (self.base.tree_size, *getattr(self.base, "likely_widths", ()))
 
     def __getattr__(self, name):
         """The base's optional attributes (needs_prompt_features, feature_layers, draft_scratch,
