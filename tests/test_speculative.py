@@ -584,11 +584,13 @@ def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
                                    atol=1e-5)  # (the last page is the write sink)
 
 
-def test_verify_at_a_likely_width_equals_the_whole_tree(target):
+def test_verify_at_a_likely_width_equals_the_whole_tree(target, monkeypatch):
     """A 7-node tree whose first 5 nodes are valid, verified at the likely width 5 (a graft
     without a lookup continuation): the valid nodes' logits and features equal a whole pass."""
     import specjax.verify as verify_mod
 
+    # Widths as under the CPU kernel (unpadded) on any machine; XLA's products would pad 5 to 8.
+    monkeypatch.setattr(verify_mod, "kernel_in_use", lambda: True)
     valid = np.array([[1] * 5 + [0] * 2] * 2, bool)
     cache, tree = _two_prefilled_trees(target, valid)
     logits, hidden, _ = jax.jit(lambda cache, tree: verify_mod.verify_pruned(

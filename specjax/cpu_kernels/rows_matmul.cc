@@ -2,8 +2,9 @@
 //
 // Such passes are bound by streaming the weight from memory once; XLA:CPU's GEMM packs the
 // weight first and turns compute-bound from a few rows on. Here a block of R weight rows is
-// loaded once per vector of k and multiplied into up to 14 input rows (8 with AVX2) from registers, and the
-// next block's rows are prefetched so the memory stream keeps going while the FMAs run.
+// loaded once per vector of k and multiplied into up to 14 input rows (8 with AVX2) from
+// registers, and the next block's rows are prefetched so the memory stream keeps going while
+// the FMAs run.
 //
 // Every output element is computed by the same sequence of operations whatever M, the block
 // or the thread split: a row's result does not depend on how many rows share the pass. The
