@@ -200,7 +200,8 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
                 engine.generate([prompt], max_new_tokens, warmup=True, **kw)
                 out = engine.generate([prompt], max_new_tokens, **kw)
                 rec = {"tokens": len(out.token_ids[0]), "seconds": out.seconds,
-                       "steps": out.steps[0], "token_ids": out.token_ids[0]}
+                       "prefill_seconds": out.prefill_seconds, "steps": out.steps[0],
+                       "token_ids": out.token_ids[0]}
             rec.update(category=p["category"], index=p["index"], method=label)
             done[(p["category"], p["index"], label)] = rec
             log.write(json.dumps(rec) + "\n")
@@ -263,8 +264,15 @@ def summarize(records: dict, prompts: list[dict], labels: list[str],
             seconds = sum(r["seconds"] for r in recs)
             tps = tokens / seconds if seconds else 0.0
             peer = label.startswith("hf-")
+            # decoding alone: every new token comes from a decode step, after a prefill of the
+            # prompt that all methods share (records of older runs hold no prefill time)
+            decode_s = (None if peer or any("prefill_seconds" not in r for r in recs) else
+                        sum(r["seconds"] - r["prefill_seconds"] for r in recs))
+            decode_tps = tokens / decode_s if decode_s else None
             if label in ("vanilla", "hf-vanilla"):
                 base["hf" if peer else "ours"] = tps
+                if not peer:
+                    base["decode"] = decode_tps
             vanilla = [records.get((cat, r["index"], "vanilla")) for r in recs]
             steps = None if peer else sum(r["steps"] for r in recs)
             rows.append({
@@ -275,6 +283,9 @@ def summarize(records: dict, prompts: list[dict], labels: list[str],
                 "speedup_vs_vanilla": round(tps / base["ours"], 3) if base.get("ours") else None,
                 "speedup_vs_own_vanilla": round(tps / base["hf" if peer else "ours"], 3)
                 if base.get("hf" if peer else "ours") else None,
+                "decode_tokens_per_s": None if decode_tps is None else round(decode_tps, 2),
+                "decode_speedup_vs_vanilla": round(decode_tps / base["decode"], 3)
+                if decode_tps and base.get("decode") else None,
                 "greedy_equals_vanilla": None if peer or not compare_outputs else
                 f"{sum(v is not None and v['token_ids'] == r['token_ids'] for v, r in zip(vanilla, recs))}/{len(recs)}",
             })
@@ -283,13 +294,16 @@ def summarize(records: dict, prompts: list[dict], labels: list[str],
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| category | method | mean accepted | tokens/s | speedup vs specjax vanilla | "
-             "speedup vs own vanilla | greedy = vanilla |", "|---|---|---|---|---|---|---|"]
+             "speedup vs own vanilla | decode speedup vs specjax vanilla | greedy = vanilla |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["method"] if r["library"] == "specjax" else f"transformers {r['method'][3:]}"
         fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
         lines.append(f"| {r['category']} | {name} | {r['mean_accepted'] or '-'} | "
                      f"{r['tokens_per_s']} | {fmt(r['speedup_vs_vanilla'])} | "
-                     f"{fmt(r['speedup_vs_own_vanilla'])} | {r['greedy_equals_vanilla'] or '-'} |")
+                     f"{fmt(r['speedup_vs_own_vanilla'])} | "
+                     f"{fmt(r.get('decode_speedup_vs_vanilla'))} | "
+                     f"{r['greedy_equals_vanilla'] or '-'} |")
     return "\n".join(lines)
 
 
@@ -300,7 +314,9 @@ def write_results(result: dict, out_dir: Path) -> None:
     table = markdown_table(result["rows"])
     (out_dir / "results.md").write_text(
         f"{result['model']}, batch 1, up to {result['max_new_tokens']} new tokens, "
-        f"{decoding_of(result)}, {result['machine']}\n\n{table}\n")
+        f"{decoding_of(result)}, {result['machine']}\n\n{table}\n\n"
+        "Decode speedup: new tokens per second of decoding alone (the time after the prompt's "
+        "prefill, which every method runs alike), over vanilla's.\n")
     plot_speedup(result, out_dir / "results.png")
 
 
@@ -314,6 +330,8 @@ def decoding_of(result: dict) -> str:
 
 
 def plot_speedup(result: dict, out: Path) -> Path:
+    """Bars of the speedup per category and method; a second panel for decoding alone (after
+    the prompt's prefill) when the records hold it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,20 +340,25 @@ def plot_speedup(result: dict, out: Path) -> Path:
     rows = [r for r in result["rows"] if r["method"] not in ("vanilla", "hf-vanilla")]
     cats = list(dict.fromkeys(r["category"] for r in result["rows"]))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(cats) + 0.6 * len(methods)), 4.2))
+    panels = [("speedup_vs_own_vanilla", "speedup vs own vanilla (whole request)")]
+    if any(r.get("decode_speedup_vs_vanilla") for r in rows):
+        panels.append(("decode_speedup_vs_vanilla", "decode speedup vs vanilla (after prefill)"))
+    width_in = max(6, 1.8 * len(cats) + 0.6 * len(methods))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width_in, 4.2 * len(panels)), squeeze=False)
     width = 0.8 / max(1, len(methods))
-    for m, method in enumerate(methods):
-        vals = [next((r["speedup_vs_own_vanilla"] or 0 for r in rows
-                      if r["category"] == c and r["method"] == method), 0) for c in cats]
-        xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(cats))]
-        ax.bar_label(ax.bar(xs, vals, width, label=method), fmt="%.2f", fontsize=6)
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xticks(range(len(cats)), cats)
-    ax.set_ylabel("speedup vs own vanilla")
-    ax.set_title(f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
-                 f"{decoding_of(result)}, {result['machine']}", fontsize=7)
+    for ax, (key, ylabel) in zip(axes[:, 0], panels):
+        for m, method in enumerate(methods):
+            vals = [next((r.get(key) or 0 for r in rows
+                          if r["category"] == c and r["method"] == method), 0) for c in cats]
+            xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(cats))]
+            ax.bar_label(ax.bar(xs, vals, width, label=method), fmt="%.2f", fontsize=6)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(cats)), cats)
+        ax.set_ylabel(ylabel, fontsize=8)
+    axes[0, 0].set_title(f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
+                         f"{decoding_of(result)}, {result['machine']}", fontsize=7)
     if methods:
-        ax.legend(fontsize=6, ncol=2)
+        axes[0, 0].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -50,8 +50,10 @@ def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path,
     for r in rows:
         assert r["mean_accepted"] >= 1 and r["tokens_per_s"] > 0
         assert r["greedy_equals_vanilla"] == f"{r['prompts']}/{r['prompts']}"
+        assert r["decode_tokens_per_s"] > r["tokens_per_s"]  # the prefill's time left out
         if r["method"] == "vanilla":
             assert r["speedup_vs_vanilla"] == 1.0 and r["mean_accepted"] == 1.0
+            assert r["decode_speedup_vs_vanilla"] == 1.0
     assert [r["prompts"] for r in rows if r["method"] == "vanilla"] == [1, 2]
     assert len(timed) == 6 and all(timed)
     # The markdown table and the JSON agree, row by row.
@@ -64,7 +66,10 @@ def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path,
         assert cells[0] == r["category"] and cells[1] == r["method"]
         assert float(cells[2]) == r["mean_accepted"] and float(cells[3]) == r["tokens_per_s"]
         assert cells[4] == f"{r['speedup_vs_vanilla']:.2f}x"
-    assert capsys.readouterr().out.strip() == "\n".join(table[2:]).strip()
+        assert cells[6] == f"{r['decode_speedup_vs_vanilla']:.2f}x"
+    assert all(r["decode_speedup_vs_vanilla"] is None for r in peers)
+    printed = capsys.readouterr().out.strip()
+    assert printed == "\n".join(line for line in table[2:] if line.startswith("|"))
     # A second run over the same folder resumes: nothing is recomputed.
     before = (out / "records.jsonl").read_text()
     assert main(args) == 0
@@ -178,3 +183,32 @@ def test_step_profile_attributes_ops_to_phases(tmp_path):
     assert set(scopes) == {"ffi_call.7", "fusion.2"}
     assert [mod.phase_of(scopes[k]) for k in ("ffi_call.7", "fusion.2")] == ["verify", "propose"]
     assert mod.phase_of("jit(spec_loop)/while/body/add") == "other"
+
+
+def test_decode_speedup_leaves_out_the_shared_prefill():
+    """summarize: decode tokens/s = new tokens / (seconds - prefill_seconds), summed over the
+    category's prompts; records of runs that kept no prefill time give no decode figures."""
+    from specjax.bench import summarize
+
+    def rec(method, index, seconds, prefill, steps):
+        r = {"category": "chat", "index": index, "method": method, "tokens": 10,
+             "seconds": seconds, "steps": steps, "token_ids": [1] * 10}
+        if prefill is not None:
+            r["prefill_seconds"] = prefill
+        return r
+
+    prompts = [{"category": "chat", "index": i} for i in (0, 1)]
+    recs = [rec("vanilla", 0, 3.0, 1.0, 10), rec("vanilla", 1, 5.0, 1.0, 10),
+            rec("eagle2", 0, 2.0, 1.0, 4), rec("eagle2", 1, 3.0, 1.0, 5)]
+    rows = summarize({(r["category"], r["index"], r["method"]): r for r in recs}, prompts,
+                     ["vanilla", "eagle2"])
+    van, eagle = rows
+    assert van["decode_tokens_per_s"] == round(20 / 6, 2) and van["decode_speedup_vs_vanilla"] == 1.0
+    assert eagle["decode_tokens_per_s"] == round(20 / 3, 2) and eagle["decode_speedup_vs_vanilla"] == 2.0
+    assert eagle["speedup_vs_vanilla"] == round((20 / 5) / (20 / 8), 3)  # whole requests: 1.6x
+    old = [dict(r) for r in recs]
+    del old[3]["prefill_seconds"]
+    rows = summarize({(r["category"], r["index"], r["method"]): r for r in old}, prompts,
+                     ["vanilla", "eagle2"])
+    assert rows[1]["decode_tokens_per_s"] is None and rows[1]["decode_speedup_vs_vanilla"] is None
+    assert rows[1]["speedup_vs_vanilla"] == 1.6
