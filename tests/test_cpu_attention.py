@@ -81,6 +81,32 @@ def test_a_row_does_not_depend_on_the_other_rows():
 
 
 @needs_kernel
+def test_causal_rows_match_the_reference_and_themselves_alone():
+    """A prefill's causal mask (a shared page prefix, then new row j seen by rows >= j): the
+    kernel reads each chunk of rows only up to the last key it sees; every row still equals the
+    reference and, bit for bit, itself computed alone."""
+    t = 40
+    q, k, v, tables, _, k_new, v_new = make_case(11, b=1, t=t, new=t)
+    paged = 6 * 16
+    mask = np.zeros((1, t, paged + t), bool)
+    mask[0, :, :20] = True
+    mask[0, :, paged:] = np.tril(np.ones((t, t), bool))
+    k, v = np.asarray(k).copy(), np.asarray(v).copy()
+    tab = np.asarray(tables)[0]
+    for slot in range(20, paged):  # slots nobody sees hold NaN
+        k[:, tab[slot // 16], slot % 16] = v[:, tab[slot // 16], slot % 16] = np.nan
+    k, v, mask = jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)
+    f = jax.jit(cpu_paged_attention)
+    out = np.asarray(f(q, k, v, tables, mask, k_new, v_new))
+    ref = np.asarray(_reference(q, k, v, tables, mask, k_new, v_new, 64 ** -0.5))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+    for i in (0, 1, 7, 20, 39):
+        alone = f(q[:, i:i + 1], k, v, tables, mask[:, i:i + 1], k_new, v_new)
+        np.testing.assert_array_equal(np.asarray(alone)[:, 0], out[:, i])
+
+
+@needs_kernel
 def test_gradients_through_the_reference():
     q, k, v, tables, mask, k_new, v_new = make_case(3, t=2, new=2)
     k = jnp.nan_to_num(k)

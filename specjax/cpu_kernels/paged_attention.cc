@@ -10,6 +10,8 @@
 // rows in order, and its sums run over them in one fixed way, so its output is the same whatever
 // the other rows: a one-token decode (its key already written) and a node of a verified tree
 // (its ancestors' keys among the new rows) compute the same attention bit for bit.
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -115,8 +117,9 @@ struct Job {
   float scale;
 
   // Per sequence b, the mask columns some query sees, in order (key_col[seq_start[b] ..
-  // seq_start[b + 1]]), of which the first seq_common[b] every query sees.
-  std::vector<int64_t> key_col, seq_start, seq_common;
+  // seq_start[b + 1]]), of which the first seq_common[b] every query sees; row_end[b * T + t]:
+  // 1 + the index among them of the last one query row t sees (0: none).
+  std::vector<int64_t> key_col, seq_start, seq_common, row_end;
 
   void index();
   void chunk(int64_t task, std::vector<const float*>& keys, std::vector<const float*>& vals,
@@ -127,21 +130,37 @@ void Job::index() {
   key_col.clear();
   seq_start.assign(1, 0);
   seq_common.clear();
+  row_end.assign(B * T, 0);
+  std::vector<uint8_t> any(S), all(S);
+  std::vector<int64_t> key_of(S);
   for (int64_t b = 0; b < B; ++b) {
     const bool* m = mask + b * T * S;
+    std::fill(any.begin(), any.end(), 0);
+    std::fill(all.begin(), all.end(), 1);
+    for (int64_t t = 0; t < T; ++t) {  // row by row: the mask is read in memory order
+      const bool* row = m + t * S;
+      for (int64_t col = 0; col < S; ++col) {
+        any[col] |= row[col];
+        all[col] &= row[col];
+      }
+    }
     int64_t common = 0, start = static_cast<int64_t>(key_col.size());
     for (int64_t col = 0; col < S; ++col) {
-      bool any = false, all = true;
-      for (int64_t t = 0; t < T; ++t) {
-        any |= m[t * S + col];
-        all &= m[t * S + col];
-      }
-      if (!any) continue;
-      if (all && common == static_cast<int64_t>(key_col.size()) - start) ++common;
+      if (!any[col]) continue;
+      if (all[col] && common == static_cast<int64_t>(key_col.size()) - start) ++common;
+      key_of[col] = static_cast<int64_t>(key_col.size()) - start;
       key_col.push_back(col);
     }
     seq_start.push_back(static_cast<int64_t>(key_col.size()));
     seq_common.push_back(common);
+    for (int64_t t = 0; t < T; ++t) {
+      const bool* row = m + t * S;
+      for (int64_t col = S - 1; col >= 0; --col)
+        if (row[col]) {
+          row_end[b * T + t] = key_of[col] + 1;
+          break;
+        }
+    }
   }
 }
 
@@ -159,9 +178,13 @@ void Job::chunk(int64_t task, std::vector<const float*>& keys, std::vector<const
   const int64_t paged = NP * ps;
   const bool* m = mask + b * T * S;
 
-  // This sequence's keys (`index`), as pointers into this kv head's pages and new rows.
-  const int64_t lo = seq_start[b], n = seq_start[b + 1] - lo, common = seq_common[b];
+  // This sequence's keys (`index`), as pointers into this kv head's pages and new rows, up to
+  // the last one a row of the chunk sees: the keys after it weigh 0 in every row's sums, so
+  // leaving them out changes no result (a causal prefill's early rows read only their prefix).
+  const int64_t lo = seq_start[b], common = seq_common[b];
   const int64_t* col_of = key_col.data() + lo;
+  int64_t n = common;
+  for (int64_t rr = 0; rr < rc; ++rr) n = std::max(n, row_end[b * T + (r0 + rr) / G]);
   keys.resize(n);
   vals.resize(n);
   for (int64_t j = 0; j < n; ++j) {
