@@ -346,19 +346,21 @@ def plot_speedup(result: dict, out: Path) -> Path:
     width_in = max(6, 1.8 * len(cats) + 0.6 * len(methods))
     fig, axes = plt.subplots(len(panels), 1, figsize=(width_in, 4.2 * len(panels)), squeeze=False)
     width = 0.8 / max(1, len(methods))
+    colors = plt.get_cmap("tab20").colors  # one color per method (up to 20)
     for ax, (key, ylabel) in zip(axes[:, 0], panels):
         for m, method in enumerate(methods):
             vals = [next((r.get(key) or 0 for r in rows
                           if r["category"] == c and r["method"] == method), 0) for c in cats]
             xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(cats))]
-            ax.bar_label(ax.bar(xs, vals, width, label=method), fmt="%.2f", fontsize=6)
+            bars = ax.bar(xs, vals, width, label=method, color=colors[m % len(colors)])
+            ax.bar_label(bars, fmt="%.2f", fontsize=6)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xticks(range(len(cats)), cats)
         ax.set_ylabel(ylabel, fontsize=8)
     axes[0, 0].set_title(f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
                          f"{decoding_of(result)}, {result['machine']}", fontsize=7)
-    if methods:
-        axes[0, 0].legend(fontsize=6, ncol=2)
+    if methods:  # beside the bars, not over them
+        axes[0, 0].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
