@@ -51,13 +51,19 @@ def linear(x, w, out_dtype=None):
     keeps XLA from folding the transpose back into the product.
     """
     lead = x.shape[:-1]
-    dtype = jnp.result_type(x, w)
-    x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.result_type(x, w))
     if kernel_applies(x2, w, out_dtype):  # few float32 rows on CPU: specjax.cpu_matmul
         return rows_matmul(x2, w).reshape(*lead, w.shape[0])
+    return _columns(x2, w, out_dtype).T.reshape(*lead, w.shape[0])
+
+
+def _columns(x, w, out_dtype=None):
+    """XLA's product w @ x^T of rows x [..., in] and a weight [out, in]: columns [out, N]."""
+    dtype = jnp.result_type(x, w)
+    x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
     y = jax.lax.dot_general(w.astype(dtype), x2, (((1,), (1,)), ((), ())),
                             preferred_element_type=out_dtype)
-    return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
+    return jax.lax.optimization_barrier(y)
 
 
 def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02):
@@ -191,10 +197,7 @@ def _gated_columns(h, w_gate_up):
     product absorbs.
     """
     lead = h.shape[:-1]
-    dtype = jnp.result_type(h, w_gate_up)
-    h2 = h.reshape(-1, h.shape[-1]).astype(dtype)
-    gate_up = jax.lax.dot_general(w_gate_up.astype(dtype), h2, (((1,), (1,)), ((), ())))
-    gate_up = jax.lax.optimization_barrier(gate_up)
+    gate_up = _columns(h, w_gate_up)
     f = gate_up.shape[0] // 2
     act = jax.lax.optimization_barrier(jax.nn.silu(gate_up[:f]) * gate_up[f:])
     return act.T.reshape(*lead, f)
