@@ -4,7 +4,10 @@
 // weight first and turns compute-bound from a few rows on. Here a block of R weight rows is
 // loaded once per vector of k and multiplied into up to 14 input rows (8 with AVX2) from
 // registers, and the next block's rows are prefetched so the memory stream keeps going while
-// the FMAs run.
+// the FMAs run. The prefetch fills L2, not L1: a core has few L1 miss buffers, and prefetches
+// that wait for them stall the loop, so compute and streaming took turns (with L1 prefetch a
+// decode step's MLPs streamed at ~27 GB/s and 5 rows cost 1.3x one row; into L2, ~34 GB/s and
+// 1.1x on the AMD EPYC, README "What one verify pass costs").
 //
 // Every output element is computed by the same sequence of operations whatever M, the block
 // or the thread split: a row's result does not depend on how many rows share the pass. The
@@ -33,7 +36,7 @@ void block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n
       Vec wv[R];
       for (int r = 0; r < R; ++r) {
         wv[r] = vload(wn + r * K + k);
-        prefetch(wn + (r + R) * K + k);
+        prefetch_l2(wn + (r + R) * K + k);
       }
       for (int m = 0; m < M; ++m) {
         Vec xv = vload(x + m * K + k);

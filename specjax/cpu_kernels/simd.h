@@ -71,6 +71,12 @@ inline void prefetch(const T* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
+// The same into L2 only, for streams read a while later (a weight's next block).
+template <typename T>
+inline void prefetch_l2(const T* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+}
+
 // body(task) for every task in [0, tasks), on the calling thread and on as many of the pool's
 // threads as there are tasks; returns once every task is done. A helper that starts after the
 // tasks ran out returns at once, so `body` must keep what it reads alive (capture shared_ptrs).
