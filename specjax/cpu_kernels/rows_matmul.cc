@@ -43,9 +43,22 @@ void block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n
         for (int r = 0; r < R; ++r) acc[r][m] = vfma(wv[r], xv, acc[r][m]);
       }
     }
+    // The R * M lane sums; with AVX-512 16 at a time where there are at least 8 (a last group
+    // padded with zeros), which cuts the instructions of a many-row block's sums by about 2/3.
+    constexpr int kSums = R * M, kPadded = (kSums + 15) / 16 * 16;
+    Vec all[kPadded];
+    alignas(64) float sums[kPadded];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) all[r * M + m] = acc[r][m];
+    int i = 0;
+#if defined(__AVX512F__)
+    for (int j = kSums; j < kPadded; ++j) all[j] = vzero();
+    for (; i + 8 <= kSums; i += 16) vsum16(all + i, sums + i);
+#endif
+    for (; i < kSums; ++i) sums[i] = vsum(all[i]);
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) {
-        float s = vsum(acc[r][m]);
+        float s = sums[r * M + m];
         for (int64_t kk = k; kk < K; ++kk)
           s = std::fma(x[m * K + kk], to_float(wn[r * K + kk]), s);
         y[m * N + n + r] = s;
