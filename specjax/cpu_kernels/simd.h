@@ -32,9 +32,9 @@ inline float vhmax(Vec v) { return _mm512_reduce_max_ps(v); }
 inline Vec vload(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// out[j] = vsum(v[j]) for 16 vectors at once (AVX-512 only), bit for bit: the same pairing of lanes as
-// _mm512_reduce_add_ps (i + i+8, then i + i+4, i + i+2, 0 + 1), but each level's adds serve
-// several vectors, about a third of the instructions of 16 separate reductions.
+// out[j] = vsum(v[j]) for 16 vectors at once (AVX-512 only), bit for bit: the same pairing of
+// lanes as _mm512_reduce_add_ps (i + i+8, then i + i+4, i + i+2, 0 + 1), but each level's adds
+// serve several vectors, about a third of the instructions of 16 separate reductions.
 inline void vsum16(const Vec* v, float* out) {
   Vec h[8], q[4], p[2];
   for (int j = 0; j < 8; ++j)  // [v2j lanes i + i+8 | v2j+1 lanes i + i+8]
