@@ -69,6 +69,9 @@ def _add_generate(sub):
                    help="medusa, eagle methods, redrafter: also draft the prompt-lookup "
                         "continuation (up to N tokens, n-grams of --min/--max-matching-ngram-"
                         "size) grafted onto the tree, verified in the same pass")
+    k.add_argument("--lookup-width", type=int, default=None, metavar="W",
+                   help="with --lookup-tokens: verify a step with a continuation at most W "
+                        "wide, the tree's last (lowest-ranked) nodes giving way to its tokens")
     md = p.add_argument_group("medusa")
     md.add_argument("--heads", default=None, help="draft-head checkpoint (specjax format)")
     md.add_argument("--medusa-choices", default=None,
@@ -278,7 +281,8 @@ def cmd_generate(args) -> int:
         redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
         redrafter_greedy_search=not args.redrafter_no_greedy_search,
         redrafter_warp_top_k=args.redrafter_warp_top_k or None, lookahead=args.lookahead_wng,
-        lookahead_accept_window=args.lookahead_accept_window, lookup_tokens=args.lookup_tokens)
+        lookahead_accept_window=args.lookahead_accept_window, lookup_tokens=args.lookup_tokens,
+        lookup_width=args.lookup_width)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))

@@ -60,7 +60,8 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
                   redrafter_draft_len_per_beam: int | None = None,
                   redrafter_greedy_search: bool = True,
                   redrafter_warp_top_k: int | None = 50, lookahead=(7, 5, 7),
-                  lookahead_accept_window: bool = False, lookup_tokens: int | None = None):
+                  lookahead_accept_window: bool = False, lookup_tokens: int | None = None,
+                  lookup_width: int | None = None):
     """(proposer, proposer_params) for `method`; (None, None) for vanilla decoding.
 
     draft: `draft_model` (a path or name of any model with the target's vocabulary), or else a
@@ -71,11 +72,14 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
     Head methods: options left None take the head checkpoint's `decoding_defaults` for the
     method (the tree sizes its model card recommends), else the method's own defaults.
     lookup_tokens: graft a prompt-lookup chain of up to N tokens (n-grams of
-    `min/max_matching_ngram_size`) onto a head method's tree (`LookupGraftProposer`).
+    `min/max_matching_ngram_size`) onto a head method's tree (`LookupGraftProposer`);
+    lookup_width: verify such a step at most that wide, the tree's last nodes giving way.
     """
     if lookup_tokens is not None:
         return _grafted(method, target, lookup_tokens, max_matching_ngram_size,
-                        min_matching_ngram_size, locals())
+                        min_matching_ngram_size, lookup_width, locals())
+    if lookup_width is not None:
+        raise MethodError("--lookup-width applies with --lookup-tokens (a grafted lookup)")
     if min_draft_prob is not None:
         if method not in ("medusa", "eagle", "eagle2", "eagle3"):
             raise MethodError(f"--min-draft-prob applies to medusa and the eagle methods, "
@@ -152,7 +156,7 @@ def make_proposer(method: str, target: Model, *, max_draft_len: int = 4, use_log
 
 
 def _grafted(method: str, target: Model, lookup_tokens: int, max_ngram: int, min_ngram: int,
-             options: dict):
+             width: int | None, options: dict):
     """`method`'s proposer with a prompt-lookup chain grafted onto its trees."""
     from specjax.proposers.lookup_graft import LookupGraftProposer
 
@@ -164,12 +168,12 @@ def _grafted(method: str, target: Model, lookup_tokens: int, max_ngram: int, min
     except ValueError as e:
         raise MethodError(f"--lookup-tokens: {e}") from None
     options = {k: v for k, v in options.items()
-               if k not in ("method", "target", "lookup_tokens")}
+               if k not in ("method", "target", "lookup_tokens", "lookup_width")}
     base, params = make_proposer(method, target, **options)
     try:
-        return LookupGraftProposer(base, lookup), params
+        return LookupGraftProposer(base, lookup, width=width), params
     except ValueError as e:
-        raise MethodError(str(e)) from None
+        raise MethodError(f"--lookup-width: {e}" if "width" in str(e) else str(e)) from None
 
 
 def _lookahead(target: Model, wng, accept_window: bool = False):

@@ -41,6 +41,27 @@ def test_graft_shares_the_tree_prefix_and_hangs_the_rest():
     np.testing.assert_array_equal(g.tokens[:, :4], _tree(5).tokens)  # the tree is unchanged
 
 
+def test_graft_width_gives_the_trees_last_nodes_way_to_the_continuation():
+    """Within `width` the chain's new nodes displace the tree's last ones, never the shared
+    path; steps without a continuation keep the whole tree."""
+    chain = jnp.asarray([[2, 3, 4, 1], [7, 9, 4, 6], [7, 3, 1, 1], [2, 2, 2, 2]])
+    g = graft_chain(_tree(4), chain, jnp.asarray([3, 4, 2, 0]), width=5)
+    np.testing.assert_array_equal(g.tokens[0, :5], [5, 7, 2, 3, 4])  # nodes 2, 3 gave way
+    np.testing.assert_array_equal(g.parent[0, :5], [-1, 0, 0, 2, 3])
+    np.testing.assert_array_equal(g.depth[0, :5], [0, 1, 1, 2, 3])
+    np.testing.assert_array_equal(g.valid[0], [1, 1, 1, 1, 1, 0, 0, 0])
+    # shares 7 -> 9 (node 3): the tree up to it stays, the two new nodes go past the width
+    np.testing.assert_array_equal(g.tokens[1, :6], [5, 7, 8, 9, 4, 6])
+    np.testing.assert_array_equal(g.parent[1, :6], [-1, 0, 0, 1, 3, 4])
+    np.testing.assert_array_equal(g.valid[1], [1, 1, 1, 1, 1, 1, 0, 0])
+    # shares 7 (node 1), one new node: fits beside the whole tree
+    np.testing.assert_array_equal(g.tokens[2, :5], [5, 7, 8, 9, 3])
+    np.testing.assert_array_equal(g.parent[2, :5], [-1, 0, 0, 1, 1])
+    np.testing.assert_array_equal(g.valid[2], [1, 1, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(g.tokens[3, :4], _tree(1).tokens[0])  # no continuation
+    np.testing.assert_array_equal(g.valid[3], [1, 1, 1, 1, 0, 0, 0, 0])
+
+
 def test_graft_never_shares_nodes_acceptance_may_not_follow():
     """A node acceptance skips (Lookahead's window) is not a prefix of the grafted chain."""
     g = graft_chain(_tree(1, acceptable=[True, False, True, True]), jnp.asarray([[7, 9]]),
@@ -78,6 +99,10 @@ def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
     assert both.token_ids == vanilla.token_ids == alone.token_ids
     # the random target falls into loops that lookup finds and the random draft does not
     assert sum(both.steps) < sum(alone.steps)
+    narrow = LookupGraftProposer(base, PromptLookupProposer(6, 3, 1), width=6)
+    assert narrow.likely_widths == (base.tree_size, 6)
+    within = eng.generate(prompts, 40, eos_token_ids=(), proposer=narrow, proposer_params=params)
+    assert within.token_ids == vanilla.token_ids and sum(within.steps) < sum(alone.steps)
 
 
 def test_graft_refuses_lossy_rules_and_bad_options(target):
@@ -87,8 +112,12 @@ def test_graft_refuses_lossy_rules_and_bad_options(target):
     base, _ = _eagle2(target)
     with pytest.raises(ValueError, match="`match` rule"):
         LookupGraftProposer(dataclasses.replace(base, rule="residual"))
+    with pytest.raises(ValueError, match="width must be at least 2"):
+        LookupGraftProposer(base, width=1)
     model = Model(params=target, config=CFG, path=None, hf_config={})
     with pytest.raises(MethodError, match="not pld"):
         make_proposer("pld", model, lookup_tokens=4)
     with pytest.raises(MethodError, match="prompt_lookup_num_tokens must be >= 1"):
         make_proposer("eagle2", model, lookup_tokens=0, heads="unused")
+    with pytest.raises(MethodError, match="--lookup-width applies with --lookup-tokens"):
+        make_proposer("eagle2", model, lookup_width=8, heads="unused")

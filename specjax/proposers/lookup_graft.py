@@ -22,17 +22,21 @@ from specjax.draft_tree import DraftTree
 from specjax.proposers.prompt_lookup import PromptLookupProposer
 
 
-def graft_chain(tree: DraftTree, chain_tokens, count) -> DraftTree:
+def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) -> DraftTree:
     """`tree` with the chain `chain_tokens` [B, K] (the first count[b] real) hung from its root.
 
     The chain's leading tokens that the tree already holds on one root path are shared; the
-    remaining ones become new nodes appended after the tree's (K more slots, unused ones
-    invalid), the first of them a child of the last shared node. No node gets a sibling with its
-    own token, so the tree stays a trie.
+    remaining ones become new nodes placed after the tree's kept nodes, the first of them a child
+    of the last shared node. With `width`, the tree keeps only as many of its leading nodes as
+    leave room for the new ones within `width` (never fewer than the shared path), so a verify
+    pass stays that wide; without, every node is kept. The result has K more slots than `tree`,
+    the unused ones invalid. No node gets a sibling with its own token, so the tree stays a trie.
+    Leading nodes are the ones kept because every tree lists parents before children (an EAGLE-2
+    tree lists its nodes best first).
     """
     b, t = tree.tokens.shape
     k = chain_tokens.shape[1]
-    rows = jnp.arange(b)
+    rows = jnp.arange(b)[:, None]
     ok = acceptable_nodes(tree)
     cur = jnp.zeros((b,), jnp.int32)  # last shared node
     shared = jnp.zeros((b,), jnp.int32)
@@ -42,19 +46,23 @@ def graft_chain(tree: DraftTree, chain_tokens, count) -> DraftTree:
         alive = alive & (j < count) & jnp.any(hit, axis=1)
         cur = jnp.where(alive, jnp.argmax(hit, axis=1).astype(jnp.int32), cur)
         shared = shared + alive
-    j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    src = jnp.minimum(shared[:, None] + j, k - 1)
-    new_valid = j < (count - shared)[:, None]
-    new_tokens = jnp.where(new_valid, chain_tokens[rows[:, None], src], 0)
-    new_parent = jnp.where(j == 0, cur[:, None], t + j - 1)
-    new_parent = jnp.where(new_valid, new_parent, -1)
-    new_depth = jnp.where(new_valid, shared[:, None] + j + 1, 0)
-    cat = lambda a, c: jnp.concatenate([a, c.astype(a.dtype)], axis=1)  # noqa: E731
-    acceptable = None if tree.acceptable is None else cat(tree.acceptable,
-                                                          jnp.ones((b, k), bool))
-    return DraftTree(tokens=cat(tree.tokens, new_tokens), parent=cat(tree.parent, new_parent),
-                     depth=cat(tree.depth, new_depth), valid=cat(tree.valid, new_valid),
-                     acceptable=acceptable)
+    new = jnp.maximum(count - shared, 0)
+    keep = jnp.full((b,), t, jnp.int32)
+    if width is not None:
+        keep = jnp.where(new > 0, jnp.clip(width - new, cur + 1, t), t)
+    p = jnp.arange(t + k, dtype=jnp.int32)[None, :]
+    base = p < keep[:, None]
+    j = p - keep[:, None]  # position in the chain's new nodes
+    in_chain = (j >= 0) & (j < new[:, None])
+    at = jnp.minimum(p, t - 1)
+    pick = lambda a, chain, other: jnp.where(  # noqa: E731
+        base, a[rows, at], jnp.where(in_chain, chain, other).astype(a.dtype))
+    src = jnp.clip(shared[:, None] + j, 0, k - 1)
+    acceptable = None if tree.acceptable is None else pick(tree.acceptable, True, False)
+    return DraftTree(tokens=pick(tree.tokens, chain_tokens[rows, src], 0),
+                     parent=pick(tree.parent, jnp.where(j == 0, cur[:, None], p - 1), -1),
+                     depth=pick(tree.depth, shared[:, None] + j + 1, 0),
+                     valid=pick(tree.valid, True, False), acceptable=acceptable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +74,23 @@ class LookupGraftProposer:
     lookup reads only the token buffer. The tree grows by `lookup.prompt_lookup_num_tokens`
     nodes, verified only when the lookup finds a continuation the tree does not hold already
     (`verify_pruned` runs as wide as the last valid node, the base tree's width among its
-    choices: `likely_widths`).
+    choices: `likely_widths`). `width`: the widest a step with a lookup continuation verifies;
+    the base tree's last (for EAGLE-2, lowest-ranked) nodes give way to the continuation's. On a
+    CPU, where each verified row past ~8 costs compute, that keeps a larger tree affordable.
     """
 
     base: Any
     lookup: PromptLookupProposer = PromptLookupProposer(5, 3, 2)
     is_chain: bool = False
+    width: int | None = None
 
     def __post_init__(self):
         if self.base.rule != "match" or getattr(self.base, "rule_options", None):
             raise ValueError("a prompt-lookup graft needs a proposer verified with the lossless "
                              f"`match` rule, not {self.base.rule!r}")
+        if self.width is not None and self.width < 2:
+            raise ValueError(f"the graft's width must be at least 2 (the pending token and one "
+                             f"drafted), got {self.width}")
 
     @property
     def rule(self) -> str:
@@ -89,7 +103,8 @@ class LookupGraftProposer:
     @property
     def likely_widths(self) -> tuple[int, ...]:
         """Without a continuation of its own the lookup adds no node: the base tree alone."""
-        return (self.base.tree_size, *getattr(self.base, "likely_widths", ()))
+        widths = (self.base.tree_size, *getattr(self.base, "likely_widths", ()))
+        return widths if self.width is None else (*widths, self.width)
 
     def __getattr__(self, name):
         """The base's optional attributes (needs_prompt_features, feature_layers, draft_scratch,
@@ -108,7 +123,7 @@ class LookupGraftProposer:
         tree, state = self.base.propose(params, state, ctx, keys, sampling)
         found, _ = self.lookup.propose(None, (), ctx, keys, sampling)
         count = jnp.sum(found.valid[:, 1:], axis=1).astype(jnp.int32)
-        return graft_chain(tree, found.tokens[:, 1:], count), state
+        return graft_chain(tree, found.tokens[:, 1:], count, self.width), state
 
     def update(self, params, state, ctx, result, active):
         return self.base.update(params, state, ctx, result, active)
