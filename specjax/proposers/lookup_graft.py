@@ -54,9 +54,9 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
     base = p < keep[:, None]
     j = p - keep[:, None]  # position in the chain's new nodes
     in_chain = (j >= 0) & (j < new[:, None])
-    at = jnp.minimum(p, t - 1)
+    # kept nodes stay where they are (keep <= t), so the tree's own fields, padded by K, hold them
     pick = lambda a, chain, other: jnp.where(  # noqa: E731
-        base, a[rows, at], jnp.where(in_chain, chain, other).astype(a.dtype))
+        base, jnp.pad(a, ((0, 0), (0, k))), jnp.where(in_chain, chain, other).astype(a.dtype))
     src = jnp.clip(shared[:, None] + j, 0, k - 1)
     acceptable = None if tree.acceptable is None else pick(tree.acceptable, True, False)
     return DraftTree(tokens=pick(tree.tokens, chain_tokens[rows, src], 0),
