@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -87,6 +88,17 @@ def read_bench_prompts(path, categories=None, limit=None) -> list[dict]:
     return out
 
 
+def resident_gib() -> float:
+    """This process's resident memory in GiB (Linux's /proc; infinity where it cannot be read,
+    so callers that free memory above a limit always do)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return float("inf")
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
+
+
 def machine() -> str:
     """The CPU model and core count, for result tables."""
     import os
@@ -132,10 +144,13 @@ def _hf_models(model, draft_layers: int, max_draft_len: int):
 
 def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, categories=None,
               limit: int | None = None, max_new_tokens: int = 128, peers=(), heads_dir=None,
-              page_size: int = 16, progress: bool = True, sampling=None, seed: int = 0) -> dict:
+              page_size: int = 16, progress: bool = True, sampling=None, seed: int = 0,
+              keep_programs_gib: float = 8.0) -> dict:
     """Run the benchmark; writes records.jsonl, results.json, results.md and results.png in
     out_dir and returns the results dict. sampling: a SamplingConfig (default greedy); every
-    method and peer samples with it, prompt i with seed + i."""
+    method and peer samples with it, prompt i with seed + i. Compiled programs are kept across
+    prompts (prompts of the same length bucket reuse them) until the process holds more than
+    keep_programs_gib of memory."""
     import jax
     from tqdm import tqdm
 
@@ -178,9 +193,9 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     with records_path.open("a") as log:
         last = None
         for n, p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
-            if n != last and last is not None:
-                # every method's programs for the last prompt's shapes would stay in memory (past
-                # the box's 24 GiB over a long run); a warmup recompiles or reloads them
+            if n != last and last is not None and resident_gib() > keep_programs_gib:
+                # every method's programs for every shape seen would stay in memory (past the
+                # box's 24 GiB over a long run); a warmup recompiles or reloads those it needs
                 jax.clear_caches()
             last = n
             if label in PEERS:

@@ -212,3 +212,28 @@ def test_decode_speedup_leaves_out_the_shared_prefill():
                      ["vanilla", "eagle2"])
     assert rows[1]["decode_tokens_per_s"] is None and rows[1]["decode_speedup_vs_vanilla"] is None
     assert rows[1]["speedup_vs_vanilla"] == 1.6
+
+
+def test_bench_keeps_compiled_programs_until_its_memory_limit(tiny_llama, prompt_file, tmp_path,
+                                                               monkeypatch):
+    """Programs are dropped between prompts only above keep_programs_gib; either way the
+    records are the same tokens."""
+    import jax
+
+    from specjax.bench import resident_gib, run_bench
+
+    assert 0 < resident_gib() < 1024
+    cleared = []
+    real = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(1), real())[1])
+
+    def tokens(out, limit):
+        run_bench(str(tiny_llama[0]), ["vanilla", "pld"], prompt_file, out, max_new_tokens=8,
+                  progress=False, keep_programs_gib=limit)
+        recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        return {(r["category"], r["index"], r["method"]): r["token_ids"] for r in recs}
+
+    kept = tokens(tmp_path / "kept", 1024.0)
+    assert not cleared
+    assert tokens(tmp_path / "dropped", 0.0) == kept
+    assert len(cleared) == len({(c, i) for c, i, _ in kept}) - 1  # between prompts
