@@ -19,25 +19,32 @@ def _read_slots(pages, block_tables, slots):
     return jnp.moveaxis(rows, 0, 2)
 
 
-def commit(cache: PagedKVCache, path, n_accepted, active, *, is_chain: bool = False) -> PagedKVCache:
+def commit(cache: PagedKVCache, path, n_accepted, active, *, is_chain: bool = False,
+           new_kv=None) -> PagedKVCache:
     """Advance each active sequence by its root plus n_accepted nodes.
 
     The node at depth d of the accepted path moves from scratch slot lengths + path[d] to slot
     lengths + d (chains are already in place: is_chain skips the copy). Everything past the new
-    length is dead scratch.
+    length is dead scratch. new_kv: the verified nodes' K/V when the verify pass left them
+    unwritten (`verify_pruned_kv`'s `NodeKV`); the path's rows are then written from there, once.
     """
     b, t = path.shape
     start = cache.lengths
     new_lengths = jnp.where(active, start + n_accepted + 1, start)
-    if is_chain:
+    if is_chain and new_kv is None:
         return cache.replace(lengths=new_lengths)
     src = start[:, None] + path
     dst = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     keep = active[:, None] & (jnp.arange(t)[None, :] <= n_accepted[:, None])
+    if new_kv is None:
+        read = lambda pages, _: _read_slots(pages, cache.block_tables, src)  # noqa: E731
+    else:  # rows [B, T', KVH, D] of the verified nodes, T' >= T
+        read = lambda _, rows: jnp.take_along_axis(rows, path[:, :, None, None], axis=1)  # noqa: E731
+    new_k, new_v = new_kv[:2] if new_kv is not None else ([None] * len(cache.k_pages),) * 2
     k_all, v_all = [], []
-    for k_pages, v_pages in zip(cache.k_pages, cache.v_pages):
-        k = _read_slots(k_pages, cache.block_tables, src)
-        v = _read_slots(v_pages, cache.block_tables, src)
+    for k_pages, v_pages, k_rows, v_rows in zip(cache.k_pages, cache.v_pages, new_k, new_v):
+        k = read(k_pages, k_rows)
+        v = read(v_pages, v_rows)
         k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, dst, k, v, keep)
         k_all.append(k_pages)
         v_all.append(v_pages)

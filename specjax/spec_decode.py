@@ -20,7 +20,7 @@ from specjax.commit import commit
 from specjax.config import ModelConfig
 from specjax.draft_tree import DraftTree
 from specjax.sampling import SamplingConfig
-from specjax.verify import verify_pruned
+from specjax.verify import verify_pruned_kv
 
 
 @struct.dataclass
@@ -122,14 +122,15 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
         tree, pstate = proposer.propose(proposer_params, state.proposer_state, ctx,
                                         _step_keys(state.keys, state.lengths, 1), sampling)
     with jax.named_scope("verify"):
-        logits, hidden, cache = verify_pruned(params, config, state.cache, tree,
-                                              getattr(proposer, "feature_layers", ()),
-                                              getattr(proposer, "likely_widths", ()))
+        logits, hidden, cache, new_kv = verify_pruned_kv(
+            params, config, state.cache, tree, getattr(proposer, "feature_layers", ()),
+            getattr(proposer, "likely_widths", ()))
     with jax.named_scope("accept"):
         result = accept(tree, logits, _step_keys(state.keys, state.lengths, 2), sampling,
                         proposer.rule, **getattr(proposer, "rule_options", {}))
     with jax.named_scope("commit"):
-        cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain)
+        cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain,
+                       new_kv=new_kv)
 
     # Append up to n + 1 tokens, stopping after EOS and at max_new_tokens.
     t = tree.size

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,15 @@ from specjax.config import ModelConfig
 from specjax.cpu_matmul import kernel_in_use
 from specjax.draft_tree import DraftTree, ancestor_mask, tree_positions
 from specjax.model import ForwardOutput, forward, write_new_kv
+
+
+class NodeKV(NamedTuple):
+    """The verified nodes' K/V, unwritten: [B, T, KVH, D] per layer; `written` [B, T] marks the
+    nodes inside the verified width (past it the rows are zeros)."""
+
+    keys: list
+    values: list
+    written: jax.Array
 
 
 def verify(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree, *,
@@ -66,13 +75,28 @@ def _resize(tree: DraftTree, w: int) -> DraftTree:
 
 def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
                   feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = ()):
+    """`verify`, run only as wide as the batch's last valid node needs; (logits, hidden, cache)
+    with every verified node's K/V in the cache's scratch slots (see `verify_pruned_kv`)."""
+    logits, hidden, cache, new_kv = verify_pruned_kv(params, config, cache, tree, feature_layers,
+                                                     likely_widths)
+    if new_kv is not None:
+        node = jnp.arange(tree.size, dtype=jnp.int32)
+        cache = write_new_kv(cache, new_kv[:2], cache.lengths[:, None] + node[None, :],
+                             new_kv.written)
+    return logits, hidden, cache
+
+
+def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
+                     feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = ()):
     """`verify`, run only as wide as the batch's last valid node needs.
 
     A verify of T tokens costs up to ~2x a single-token pass on a CPU (small matrix products
     turn compute-bound), so when no sequence drafted anything (Prompt-Lookup without a match)
     the step costs what vanilla decoding costs. Nodes past the chosen width are invalid; their
     logits and hidden states come back as zeros. Returns (logits [B, T, V], hidden [B, T, D],
-    cache); with `feature_layers` the hidden states are those layers' outputs concatenated
+    cache, new_kv): with the XLA or CPU attention backends the nodes' K/V are not written but
+    returned (a `NodeKV`), so that `commit` writes only the accepted path's; with a backend that writes them in its kernel (Pallas) they are in the
+    cache's scratch slots and new_kv is None. With `feature_layers` the hidden states are those layers' outputs concatenated
     (EAGLE-3's features) instead of the final normed state. `likely_widths`: numbers of leading
     nodes that are often all the valid ones (a proposer's `likely_widths`, e.g. the learned tree
     without the prompt-lookup graft), verified at exactly that width when they are.
@@ -100,7 +124,6 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
 
     logits, hidden, out = jax.lax.switch(branch, [run(w) for w in widths], cache)
     if not defer:
-        return logits, hidden, out
-    slots = cache.lengths[:, None] + node[None, :]
+        return logits, hidden, out, None
     written = node[None, :] < jnp.asarray(widths)[branch]
-    return logits, hidden, write_new_kv(cache, out, slots, jnp.broadcast_to(written, slots.shape))
+    return logits, hidden, cache, NodeKV(*out, jnp.broadcast_to(written, (b, t)))

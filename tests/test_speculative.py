@@ -556,6 +556,29 @@ def test_verify_with_deferred_writes_equals_written(target, monkeypatch):
     assert not copies, copies[:3]
 
 
+def test_commit_from_unwritten_node_kv_equals_commit_after_writing(target):
+    """spec_step commits the accepted path straight from the verify pass's unwritten K/V
+    (`verify_pruned_kv`): the committed slots equal those of writing every node, then moving
+    the path's."""
+    from specjax.commit import commit
+    from specjax.verify import verify_pruned, verify_pruned_kv
+
+    valid = np.array([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]], bool)
+    cache, tree = _two_prefilled_trees(target, valid)
+    path = jnp.asarray([[0, 1, 3, 0, 0, 0, 0], [0, 4, 5, 0, 0, 0, 0]], jnp.int32)
+    n_acc, active = jnp.asarray([2, 2], jnp.int32), jnp.asarray([True, True])
+    written = commit(verify_pruned(target, CFG, cache, tree)[2], path, n_acc, active)
+    _, _, unwritten, node_kv = verify_pruned_kv(target, CFG, cache, tree)
+    assert node_kv is not None
+    direct = commit(unwritten, path, n_acc, active, new_kv=node_kv)
+    np.testing.assert_array_equal(direct.lengths, [10, 6])
+    np.testing.assert_array_equal(direct.lengths, written.lengths)
+    for a, w in zip(direct.k_pages + direct.v_pages, written.k_pages + written.v_pages):
+        got, want = (np.asarray(gather_pages(x, cache.block_tables)) for x in (a, w))
+        for i, n in enumerate([10, 6]):
+            np.testing.assert_array_equal(got[:, i, :n], want[:, i, :n])
+
+
 @pytest.mark.parametrize("backend", ["xla", "written"])
 def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
     """A whole 7-node tree is verified padded to 8 nodes: its logits, features and pools equal
