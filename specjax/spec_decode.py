@@ -51,7 +51,9 @@ class Proposer(Protocol):
     (target layers whose concatenated outputs replace the final hidden state as features),
     `draft_scratch` (cache slots past the committed tokens the proposer writes, when more than
     `tree_size`), `likely_widths` (numbers of leading nodes that are often the only valid ones,
-    verified at exactly that width: see `verify_pruned`).
+    verified at exactly that width: see `verify_pruned`), `max_path_len` (nodes on the longest
+    root path any tree may have, root included, when fewer than `tree_size`: commit and update
+    then read only that many; a wrapper that lengthens paths must say its own).
     """
 
     tree_size: int  # T, nodes per draft tree (root included)
@@ -128,8 +130,10 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     with jax.named_scope("accept"):
         result = accept(tree, logits, _step_keys(state.keys, state.lengths, 2), sampling,
                         proposer.rule, **getattr(proposer, "rule_options", {}))
+    # No accepted path runs deeper than the proposer's trees: the phases below read that many.
+    path = result.path[:, :min(getattr(proposer, "max_path_len", tree.size), tree.size)]
     with jax.named_scope("commit"):
-        cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain,
+        cache = commit(cache, path, result.n_accepted, active, is_chain=proposer.is_chain,
                        new_kv=new_kv)
 
     # Append up to n + 1 tokens, stopping after EOS and at max_new_tokens.
@@ -152,10 +156,11 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     best = jnp.take_along_axis(result.path, result.n_accepted[:, None], axis=1)[:, 0]
     best_hidden = jnp.take_along_axis(hidden, best[:, None, None], axis=1)[:, 0]
     features = jnp.where(active[:, None], best_hidden.astype(state.features.dtype), state.features)
-    path_hidden = jnp.take_along_axis(hidden, result.path[:, :, None], axis=1)
+    path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
     new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden, logits=logits)
     with jax.named_scope("update"):
-        pstate = proposer.update(proposer_params, pstate, new_ctx, result, active)
+        pstate = proposer.update(proposer_params, pstate, new_ctx, result.replace(path=path),
+                                 active)
     hist = state.accepted_hist.at[jnp.arange(b), result.n_accepted].add(active.astype(jnp.int32))
     return state.replace(tokens=tokens, lengths=lengths, done=done, steps=state.steps + active,
                          cache=cache, features=features, proposer_state=pstate,

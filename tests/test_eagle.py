@@ -183,6 +183,7 @@ def test_static_tree_nodes_are_the_drafts_ranked_tokens(target):
             ids, _ = _chain_top(proposer, pparams, state, ctx, path[:-1], 4)
             assert path[-1] == ids[rank[i]], (i, path)
     assert [len(p) for p in _paths(tree).values()] == list(depth)
+    assert proposer.max_path_len == max(depth) + 1 == 6
 
 
 @pytest.mark.parametrize("total,depth,top_k", [(12, 3, 3), (63, 5, 8), (6, 4, 1)])
@@ -204,7 +205,7 @@ def test_dynamic_tree_is_valid_and_best_first(target, total, depth, top_k):
     assert all(0 <= parent[i] < i and dep[i] == dep[parent[i]] + 1 for i in range(1, total))
     siblings = {(int(parent[i]), int(tok[i])) for i in range(1, total)}
     assert len(siblings) == total - 1
-    assert dep.max() <= depth + 1
+    assert dep.max() <= depth + 1 and dep.max() + 1 <= proposer.max_path_len
     # A plain re-implementation of EAGLE-2's selection over chain-drafted distributions.
     layer = [((t,), lp) for t, lp in zip(*_chain_top(proposer, pparams, state, ctx, [], top_k))]
     candidates = list(layer)

@@ -62,6 +62,42 @@ def test_graft_width_gives_the_trees_last_nodes_way_to_the_continuation():
     np.testing.assert_array_equal(g.valid[3], [1, 1, 1, 1, 0, 0, 0, 0])
 
 
+def test_graft_hangs_the_continuation_after_the_trees_last_valid_node():
+    """A tail a confidence floor dropped is not kept: the continuation follows the last valid
+    node, so the verify pass is narrower (with or without a width)."""
+    tree = dataclasses.replace(_tree(2), valid=jnp.asarray([[1, 1, 0, 0], [1, 1, 1, 0]], bool))
+    chain = jnp.asarray([[2, 3, 4, 0], [7, 9, 4, 0]])
+    for width in (None, 8):
+        g = graft_chain(tree, chain, jnp.asarray([3, 3]), width=width)
+        np.testing.assert_array_equal(g.tokens[0, :5], [5, 7, 2, 3, 4])
+        np.testing.assert_array_equal(g.parent[0, :5], [-1, 0, 0, 2, 3])
+        np.testing.assert_array_equal(g.valid[0], [1, 1, 1, 1, 1, 0, 0, 0])
+        # 7 is shared; 9 (node 3) was dropped, so the chain's 9 and 4 hang from 7 after node 2
+        np.testing.assert_array_equal(g.tokens[1, :5], [5, 7, 8, 9, 4])
+        np.testing.assert_array_equal(g.parent[1, :5], [-1, 0, 0, 1, 3])
+        np.testing.assert_array_equal(g.valid[1], [1, 1, 1, 1, 1, 0, 0, 0])
+
+
+def test_grafted_paths_are_no_longer_than_max_path_len():
+    """commit and update read max_path_len path nodes: no grafted node may sit deeper, whatever
+    the chain shares with the tree (random chains over the tree's tokens, with and without a
+    width)."""
+    class Base:  # the tree of `_tree`: its longest root path is 5 -> 7 -> 9
+        tree_size, max_path_len, rule = 4, 3, "match"
+
+    rng = np.random.default_rng(0)
+    for k in (1, 2, 4, 6):
+        graft = LookupGraftProposer(Base(), PromptLookupProposer(k, 3, 1))
+        assert graft.max_path_len == max(3, k + 1)
+        chain = jnp.asarray(rng.choice([7, 8, 9, 3], size=(64, k)))
+        count = jnp.asarray(rng.integers(0, k + 1, size=64))
+        for width in (None, 4):
+            g = graft_chain(_tree(64), chain, count, width=width)
+            deepest = np.where(np.asarray(g.valid), np.asarray(g.depth), 0).max()
+            assert deepest + 1 <= graft.max_path_len
+        assert deepest + 1 == graft.max_path_len  # the bound is reached
+
+
 def test_graft_never_shares_nodes_acceptance_may_not_follow():
     """A node acceptance skips (Lookahead's window) is not a prefix of the grafted chain."""
     g = graft_chain(_tree(1, acceptable=[True, False, True, True]), jnp.asarray([[7, 9]]),
@@ -95,6 +131,8 @@ def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
     graft = LookupGraftProposer(base, PromptLookupProposer(6, 3, 1))
     assert graft.tree_size == 11 and graft.draft_scratch == base.draft_scratch
     assert graft.likely_widths == (base.tree_size,)  # no continuation: the tree's own width
+    # commit and update read only this many path nodes: the continuation's depth, not the tree's
+    assert base.max_path_len == 4 and graft.max_path_len == 7
     both = eng.generate(prompts, 40, eos_token_ids=(), proposer=graft, proposer_params=params)
     assert both.token_ids == vanilla.token_ids == alone.token_ids
     # the random target falls into loops that lookup finds and the random draft does not

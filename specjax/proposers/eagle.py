@@ -215,6 +215,11 @@ class EagleTreeProposer(_EagleBase):
     def tree_size(self) -> int:
         return len(self.eagle_choices) + 1
 
+    @property
+    def max_path_len(self) -> int:
+        """Nodes on the longest root path (the root included)."""
+        return max(len(c) for c in self.eagle_choices) + 1
+
     def _topology(self):
         parent, depth, rank = static_tree(self.eagle_choices)
         t = len(parent)
@@ -282,6 +287,11 @@ class EagleDynamicProposer(_EagleBase):
     @property
     def tree_size(self) -> int:
         return self.total_tokens
+
+    @property
+    def max_path_len(self) -> int:
+        """Nodes on the longest root path: the root and up to depth + 1 drafted tokens."""
+        return min(self.depth + 2, self.total_tokens)
 
     @property
     def num_candidates(self) -> int:

@@ -26,10 +26,11 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
     """`tree` with the chain `chain_tokens` [B, K] (the first count[b] real) hung from its root.
 
     The chain's leading tokens that the tree already holds on one root path are shared; the
-    remaining ones become new nodes placed after the tree's kept nodes, the first of them a child
-    of the last shared node. With `width`, the tree keeps only as many of its leading nodes as
+    remaining ones become new nodes placed after the tree's kept nodes, the first of them a
+    child of the last shared node. The tree keeps its nodes up to its last valid one (a tail a
+    confidence floor dropped is not verified); with `width`, only as many of its leading nodes as
     leave room for the new ones within `width` (never fewer than the shared path), so a verify
-    pass stays that wide; without, every node is kept. The result has K more slots than `tree`,
+    pass stays that wide. The result has K more slots than `tree`,
     the unused ones invalid. No node gets a sibling with its own token, so the tree stays a trie.
     Leading nodes are the ones kept because every tree lists parents before children (an EAGLE-2
     tree lists its nodes best first).
@@ -47,9 +48,11 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
         cur = jnp.where(alive, jnp.argmax(hit, axis=1).astype(jnp.int32), cur)
         shared = shared + alive
     new = jnp.maximum(count - shared, 0)
-    keep = jnp.full((b,), t, jnp.int32)
+    # past the tree's last valid node (a confidence floor drops a tail) nothing needs keeping
+    keep = jnp.max(jnp.where(tree.valid, jnp.arange(1, t + 1, dtype=jnp.int32), 1), axis=1)
     if width is not None:
-        keep = jnp.where(new > 0, jnp.clip(width - new, cur + 1, t), t)
+        keep = jnp.minimum(keep, width - new)
+    keep = jnp.where(new > 0, jnp.clip(keep, cur + 1, t), t)
     p = jnp.arange(t + k, dtype=jnp.int32)[None, :]
     base = p < keep[:, None]
     j = p - keep[:, None]  # position in the chain's new nodes
@@ -99,6 +102,13 @@ class LookupGraftProposer:
     @property
     def tree_size(self) -> int:
         return self.base.tree_size + self.lookup.prompt_lookup_num_tokens
+
+    @property
+    def max_path_len(self) -> int:
+        """The base's longest root path, or the continuation's (it shares a prefix with the
+        tree and ends at most prompt_lookup_num_tokens deep)."""
+        base = getattr(self.base, "max_path_len", self.base.tree_size)
+        return max(base, self.lookup.prompt_lookup_num_tokens + 1)
 
     @property
     def likely_widths(self) -> tuple[int, ...]:
