@@ -30,8 +30,8 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
     child of the last shared node. The tree keeps its nodes up to its last valid one (a tail a
     confidence floor dropped is not verified); with `width`, only as many of its leading nodes as
     leave room for the new ones within `width` (never fewer than the shared path), so a verify
-    pass stays that wide. The result has K more slots than `tree`,
-    the unused ones invalid. No node gets a sibling with its own token, so the tree stays a trie.
+    pass stays that wide. The result has K more slots than `tree`, the unused ones invalid. No
+    node gets a sibling with its own token, so the tree stays a trie.
     Leading nodes are the ones kept because every tree lists parents before children (an EAGLE-2
     tree lists its nodes best first).
     """
