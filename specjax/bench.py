@@ -101,7 +101,6 @@ def resident_gib() -> float:
 
 def machine() -> str:
     """The CPU model and core count, for result tables."""
-    import os
     import platform
 
     cpu = platform.processor() or platform.machine()

@@ -36,15 +36,14 @@ def commit(cache: PagedKVCache, path, n_accepted, active, *, is_chain: bool = Fa
     src = start[:, None] + path
     dst = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     keep = active[:, None] & (jnp.arange(t)[None, :] <= n_accepted[:, None])
-    if new_kv is None:
-        read = lambda pages, _: _read_slots(pages, cache.block_tables, src)  # noqa: E731
-    else:  # rows [B, T', KVH, D] of the verified nodes, T' >= T
-        read = lambda _, rows: jnp.take_along_axis(rows, path[:, :, None, None], axis=1)  # noqa: E731
-    new_k, new_v = new_kv[:2] if new_kv is not None else ([None] * len(cache.k_pages),) * 2
     k_all, v_all = [], []
-    for k_pages, v_pages, k_rows, v_rows in zip(cache.k_pages, cache.v_pages, new_k, new_v):
-        k = read(k_pages, k_rows)
-        v = read(v_pages, v_rows)
+    for i, (k_pages, v_pages) in enumerate(zip(cache.k_pages, cache.v_pages)):
+        if new_kv is None:
+            k = _read_slots(k_pages, cache.block_tables, src)
+            v = _read_slots(v_pages, cache.block_tables, src)
+        else:  # the path's rows of the verified nodes' [B, T', KVH, D], T' >= T
+            k = jnp.take_along_axis(new_kv.keys[i], path[:, :, None, None], axis=1)
+            v = jnp.take_along_axis(new_kv.values[i], path[:, :, None, None], axis=1)
         k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, dst, k, v, keep)
         k_all.append(k_pages)
         v_all.append(v_pages)

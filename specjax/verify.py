@@ -81,8 +81,8 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
                                                      likely_widths)
     if new_kv is not None:
         node = jnp.arange(tree.size, dtype=jnp.int32)
-        cache = write_new_kv(cache, new_kv[:2], cache.lengths[:, None] + node[None, :],
-                             new_kv.written)
+        cache = write_new_kv(cache, (new_kv.keys, new_kv.values),
+                             cache.lengths[:, None] + node[None, :], new_kv.written)
     return logits, hidden, cache
 
 
@@ -95,9 +95,10 @@ def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: Dra
     the step costs what vanilla decoding costs. Nodes past the chosen width are invalid; their
     logits and hidden states come back as zeros. Returns (logits [B, T, V], hidden [B, T, D],
     cache, new_kv): with the XLA or CPU attention backends the nodes' K/V are not written but
-    returned (a `NodeKV`), so that `commit` writes only the accepted path's; with a backend that writes them in its kernel (Pallas) they are in the
-    cache's scratch slots and new_kv is None. With `feature_layers` the hidden states are those layers' outputs concatenated
-    (EAGLE-3's features) instead of the final normed state. `likely_widths`: numbers of leading
+    returned (a `NodeKV`), so that `commit` writes only the accepted path's; with a backend that
+    writes them in its kernel (Pallas) they are in the cache's scratch slots and new_kv is None.
+    With `feature_layers` the hidden states are those layers' outputs concatenated (EAGLE-3's
+    features) instead of the final normed state. `likely_widths`: numbers of leading
     nodes that are often all the valid ones (a proposer's `likely_widths`, e.g. the learned tree
     without the prompt-lookup graft), verified at exactly that width when they are.
     """
