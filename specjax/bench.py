@@ -23,6 +23,10 @@ from pathlib import Path
 METHOD_HEADS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
                 "redrafter": "redrafter"}
 PEERS = ("hf-vanilla", "hf-pld", "hf-assisted")
+# Compiled programs are dropped between prompts once the process holds this share of the
+# kernel's memory-mapping limit (`mapping_share`), leaving room for one prompt's compiles
+# (in the README's every-method run one prompt's 17 methods added ~10-11k of the usual 65530).
+KEEP_MAPPING_SHARE = 0.4
 
 
 class BenchError(ValueError):
@@ -99,6 +103,20 @@ def resident_gib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
 
 
+def mapping_share() -> float:
+    """This process's memory mappings as a share of the kernel's limit (vm.max_map_count); 0
+    where either cannot be read. Each compiled XLA:CPU program holds mappings of its own, and
+    at the limit LLVM cannot map the next one ("Unable to allocate section memory") whatever
+    memory is free."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return 0.0
+    return used / max(limit, 1)
+
+
 def machine() -> str:
     """The CPU model and core count, for result tables."""
     import platform
@@ -149,7 +167,7 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     out_dir and returns the results dict. sampling: a SamplingConfig (default greedy); every
     method and peer samples with it, prompt i with seed + i. Compiled programs are kept across
     prompts (prompts of the same length bucket reuse them) until the process holds more than
-    keep_programs_gib of memory."""
+    keep_programs_gib of memory or KEEP_MAPPING_SHARE of its memory-mapping limit."""
     import jax
     from tqdm import tqdm
 
@@ -192,9 +210,11 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     with records_path.open("a") as log:
         last = None
         for n, p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
-            if n != last and last is not None and resident_gib() > keep_programs_gib:
+            if n != last and last is not None and (resident_gib() > keep_programs_gib
+                                                   or mapping_share() > KEEP_MAPPING_SHARE):
                 # every method's programs for every shape seen would stay in memory (past the
-                # box's 24 GiB over a long run); a warmup recompiles or reloads those it needs
+                # box's 24 GiB, or its mapping limit, over a long run); a warmup recompiles or
+                # reloads those it needs
                 jax.clear_caches()
             last = n
             if label in PEERS:

@@ -220,6 +220,7 @@ def test_bench_keeps_compiled_programs_until_its_memory_limit(tiny_llama, prompt
     records are the same tokens."""
     import jax
 
+    from specjax import bench
     from specjax.bench import resident_gib, run_bench
 
     assert 0 < resident_gib() < 1024
@@ -236,4 +237,15 @@ def test_bench_keeps_compiled_programs_until_its_memory_limit(tiny_llama, prompt
     kept = tokens(tmp_path / "kept", 1024.0)
     assert not cleared
     assert tokens(tmp_path / "dropped", 0.0) == kept
-    assert len(cleared) == len({(c, i) for c, i, _ in kept}) - 1  # between prompts
+    between = len({(c, i) for c, i, _ in kept}) - 1  # between prompts
+    assert len(cleared) == between
+    # near the kernel's memory-mapping limit they are dropped whatever the memory held
+    monkeypatch.setattr(bench, "mapping_share", lambda: bench.KEEP_MAPPING_SHARE + 0.01)
+    assert tokens(tmp_path / "near_map_limit", 1024.0) == kept
+    assert len(cleared) == 2 * between
+
+
+def test_mapping_share_reads_this_process():
+    from specjax.bench import mapping_share
+
+    assert 0 < mapping_share() < 1
