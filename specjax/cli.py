@@ -384,12 +384,13 @@ def main(argv=None) -> int:
     _add_generate(sub)
     _add_convert(sub)
     _add_bench(sub)
-    from training.cli import add_train_parser, run_train
+    from training.cli import add_synthesize_parser, add_train_parser, run_synthesize, run_train
     add_train_parser(sub)
+    add_synthesize_parser(sub)
     args = parser.parse_args(argv)
     try:
         return {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench,
-                "train": run_train}[args.command](args)
+                "train": run_train, "synthesize-prompts": run_synthesize}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

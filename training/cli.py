@@ -151,6 +151,54 @@ def run_train(args) -> int:
     return 0
 
 
+def add_synthesize_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `synthesize-prompts`: user requests the base model writes itself (Magpie)."""
+    from training.synthesize import SynthesisConfig
+
+    d = SynthesisConfig()
+    p = subparsers.add_parser(
+        "synthesize-prompts", help="chat prompts written by the base model itself (Magpie-style)",
+        description="Sample user requests from an instruction-tuned model given its chat template "
+                    "up to a user turn; write them as a prompt file for `specjax train`. "
+                    "Re-running with the same file resumes.")
+    p.add_argument("--base", default="smollm2-135m", help="base model: embedded name, dir or .gguf")
+    p.add_argument("--n", type=int, required=True, help="prompts to keep")
+    p.add_argument("--out", required=True, help="output JSONL (appended to; resumes)")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="requests that have not ended their turn by then are dropped")
+    p.add_argument("--min-tokens", type=int, default=d.min_tokens,
+                   help="shorter requests are dropped")
+    p.add_argument("--max-attempts", type=int, default=None,
+                   help="requests sampled at most (default 4 x --n)")
+    p.add_argument("--category", default=d.category, help="category written to each record")
+    p.add_argument("--seed", type=int, default=d.seed, help="request k samples with seed + k")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def run_synthesize(args) -> int:
+    """Run `specjax synthesize-prompts` from parsed arguments."""
+    import jax.numpy as jnp
+
+    from specjax.loading import load_model
+    from training.synthesize import SynthesisConfig, SynthesisError, synthesize_prompts
+
+    if args.batch_size < 1:
+        raise SynthesisError(f"--batch-size must be >= 1, got {args.batch_size}")
+    cfg = SynthesisConfig(temperature=args.temperature, top_p=args.top_p,
+                          max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed,
+                          batch_size=args.batch_size, category=args.category)
+    model = load_model(args.base, dtype=jnp.float32)
+    kept = synthesize_prompts(model, args.n, args.out, cfg, max_attempts=args.max_attempts,
+                              progress=not args.no_progress)
+    print(f"{args.out}: {len(kept)} prompts", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     """`python -m training ARGS` = `specjax train ARGS` (same parser, same one-line errors)."""
     from specjax.cli import main as specjax_main

@@ -138,26 +138,35 @@ def distilled_indices(folder) -> set[int]:
     return set(_read_done(Path(folder) / DISTILL_FILE))
 
 
-def _read_done(path: Path) -> dict[int, dict]:
-    """Finished records of a distill file; a torn last line (killed mid-write) is cut off."""
-    done: dict[int, dict] = {}
+def read_appended_jsonl(path: Path, check=None) -> list[dict]:
+    """Records of a JSONL file this package appends to; a torn last line (the writer killed
+    mid-line) is cut off the file, any other unreadable line (or one `check(record)` rejects)
+    is an error naming it, raised before anything is cut."""
+    rows: list[dict] = []
     if not path.exists():
-        return done
+        return rows
     good = 0
     with open(path, "rb") as f:
-        for raw in f:
+        for n, raw in enumerate(f, 1):
             if not raw.endswith(b"\n"):
                 break
             try:
                 rec = json.loads(raw)
-            except json.JSONDecodeError:
-                break
-            done[int(rec["index"])] = rec
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if check is not None and not check(rec):
+                raise DataError(f"{path}:{n}: not a record of this kind")
+            rows.append(rec)
             good += len(raw)
     if good != path.stat().st_size:
         with open(path, "r+b") as f:
             f.truncate(good)
-    return done
+    return rows
+
+
+def _read_done(path: Path) -> dict[int, dict]:
+    """Finished records of a distill file, by index."""
+    return {int(rec["index"]): rec for rec in read_appended_jsonl(path)}
 
 
 def _check_meta(folder: Path, meta: dict) -> None:
