@@ -821,3 +821,36 @@ def test_data_parallel_matches_single_device(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_features_extend_when_the_data_grows(setup, tmp_path):
+    """More answered prompts in the same order extend a feature folder: its full shards are
+    kept, the partial one is redone; another order or fewer sequences are refused."""
+    from specjax.loading import load_model
+    from training.features import FeatureStore, extract_features
+
+    model = load_model(setup["base"], dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(3, 300, n).astype(np.int32), np.arange(n) >= 2)
+            for n in (5, 9, 4, 7, 6, 8, 3)]
+
+    def extract(folder, s):
+        return extract_features(model.params, model.config, s, folder, batch_size=2,
+                                shard_size=2, progress=False)
+
+    root = extract(tmp_path / "a", seqs[:5])
+    kept = (root / "shard_00000" / "final.npy").stat().st_mtime_ns
+    assert extract(tmp_path / "a", seqs) == root
+    assert (root / "shard_00000" / "final.npy").stat().st_mtime_ns == kept
+    grown, fresh = FeatureStore(root), FeatureStore(extract(tmp_path / "b", seqs))
+    assert len(grown) == len(seqs)
+    for i in range(len(seqs)):
+        for k, v in fresh.sequence(i).items():
+            np.testing.assert_array_equal(v, grown.sequence(i)[k])
+    other = list(seqs)
+    other[1] = (other[1][0][::-1].copy(), other[1][1])
+    with pytest.raises(ValueError, match="num_sequences=7, not 8"):
+        extract(tmp_path / "a", other + [seqs[0]])
+    with pytest.raises(ValueError, match="num_sequences=7, not 3"):
+        extract(tmp_path / "a", seqs[:3])
+    assert len(FeatureStore(root)) == len(seqs)

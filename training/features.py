@@ -98,12 +98,11 @@ def extract_features(params, config: ModelConfig, sequences: Sequence[tuple[np.n
     meta_path = root / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        if old != meta:
+        if old != meta and not _grown(root, old, meta, sequences):
             diff = next(k for k in meta if old.get(k) != meta[k])
             raise ValueError(f"features in {root} were made with {diff}={old.get(diff)!r}, "
                              f"not {meta[diff]!r}: use another data folder")
-    else:
-        meta_path.write_text(json.dumps(meta, indent=2))
+    meta_path.write_text(json.dumps(meta, indent=2))
     n_shards = -(-len(sequences) // shard_size)
     store_dtype = np.dtype(spec.dtype)
     missing = [s for s in range(n_shards) if not (root / f"shard_{s:05d}").exists()]
@@ -141,6 +140,31 @@ def extract_features(params, config: ModelConfig, sequences: Sequence[tuple[np.n
         tmp.rename(root / f"shard_{s:05d}")
     bar.close()
     return root
+
+
+def _grown(root: Path, old: dict, meta: dict, sequences) -> bool:
+    """Whether the folder holds features of a prefix of `sequences` (the data grew, e.g. more
+    prompts answered in the same order); if so its last, partial shard is dropped to be redone
+    with the new sequences. Shards are compared token by token."""
+    if {k: v for k, v in old.items() if k != "num_sequences"} != \
+            {k: v for k, v in meta.items() if k != "num_sequences"}:
+        return False
+    n_old, size = old["num_sequences"], old["shard_size"]
+    if n_old >= len(sequences):
+        return False
+    for s in range(-(-n_old // size)):
+        d = root / f"shard_{s:05d}"
+        if not d.exists():
+            continue
+        seqs = sequences[s * size:min((s + 1) * size, n_old)]
+        offsets = np.cumsum([0] + [len(q[0]) for q in seqs])
+        if (not np.array_equal(np.load(d / "offsets.npy"), offsets)
+                or not np.array_equal(np.load(d / "tokens.npy"),
+                                      np.concatenate([q[0] for q in seqs]))):
+            return False
+    if n_old % size:
+        shutil.rmtree(root / f"shard_{n_old // size:05d}", ignore_errors=True)
+    return True
 
 
 class FeatureStore:
