@@ -183,6 +183,14 @@ def _check_meta(folder: Path, meta: dict) -> None:
         path.write_text(json.dumps(meta, indent=2))
 
 
+def end_of_turn_ids(model) -> list[int]:
+    """Tokens that end a generated turn: the model's EOS ids and its tokenizer's."""
+    eos = set(model.config.eos_token_ids)
+    if getattr(model.tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(model.tokenizer.eos_token_id))
+    return sorted(eos)
+
+
 def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], folder,
             cfg: DistillConfig = DistillConfig(), *, max_prompt_tokens: int = 512,
             progress: bool = True) -> list[dict]:
@@ -221,9 +229,7 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
             else:
                 todo.append((i, ids[-max_prompt_tokens:]))
     if todo:
-        eos = set(model.config.eos_token_ids)
-        if getattr(tok, "eos_token_id", None) is not None:
-            eos.add(int(tok.eos_token_id))
+        eos = end_of_turn_ids(model)
         bs = cfg.batch_size
         todo = length_sorted_windows(todo, bs * DISTILL_WINDOW_BATCHES)
         per_seq = -(-bucket(max(len(p) for _, p in todo) + cfg.max_new_tokens + 1) // 16)
@@ -236,7 +242,7 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
             # continuous batching: a slot whose answer ended takes the next prompt at once
             answers = engine.generate_continuous(
                 [p for _, p in todo], cfg.max_new_tokens, slots=bs, sampling=sampling,
-                seeds=[cfg.seed + i for i, _ in todo], eos_token_ids=sorted(eos))
+                seeds=[cfg.seed + i for i, _ in todo], eos_token_ids=eos)
             for n, out in enumerate(answers, 1):
                 i, p = todo[out.index]
                 row = {"index": i, "id": records[i].id, "category": records[i].category,

@@ -93,6 +93,7 @@ def synthesize_prompts(model, n: int, out, cfg: SynthesisConfig = SynthesisConfi
 
     from specjax.generate import Engine, bucket
     from specjax.sampling import SamplingConfig
+    from training.data import end_of_turn_ids
 
     if n < 1:
         raise SynthesisError(f"the number of prompts must be >= 1, got {n}")
@@ -113,8 +114,7 @@ def synthesize_prompts(model, n: int, out, cfg: SynthesisConfig = SynthesisConfi
         return kept[:n]
     tok = model.tokenizer
     prefix = user_turn_prefix(tok)
-    end_of_turn = sorted({*model.config.eos_token_ids,
-                          *([tok.eos_token_id] if tok.eos_token_id is not None else [])})
+    end_of_turn = end_of_turn_ids(model)
     bs = cfg.batch_size
     pages = -(-bucket(len(prefix) + cfg.max_tokens + 1) // 16)
     engine = Engine(model.params, model.config, num_pages=2 * bs * pages + 8, page_size=16)
