@@ -92,6 +92,8 @@ def test_cli_bad_prompt_files(tiny_llama, tmp_path, capsys):
 
 @pytest.mark.parametrize("option", [["--draft-steps", "0"], ["--num-heads", "0"],
                                     ["--loss-positions", "-1"], ["--noise-std", "-0.1"],
+                                    ["--token-loss-weight", "-1"],
+                                    ["--feature-loss-weight", "nan"],
                                     # options EAGLE does not have: refused, not ignored
                                     ["--num-heads", "3"], ["--draft-vocab-size", "64"]])
 def test_cli_bad_method_options(tiny_llama, tmp_path, capsys, option):
@@ -103,6 +105,33 @@ def test_cli_bad_method_options(tiny_llama, tmp_path, capsys, option):
     err = capsys.readouterr().err.strip()
     assert rc == 1 and option[0] in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_loss_weights_reach_the_eagle_loss(tmp_path, capsys):
+    import argparse
+
+    from specjax.cli import main
+    from training.cli import add_train_parser, config_from_args
+    from training.methods import make_method
+
+    parser = add_train_parser(argparse.ArgumentParser().add_subparsers())
+    base = ["--method", "eagle", "--prompts", "p.jsonl", "--out", "o"]
+    cfg = config_from_args(parser.parse_args(base + ["--token-loss-weight", "0.5",
+                                                     "--feature-loss-weight", "0.25"]))
+    method = make_method("eagle", **dict(cfg.method_options))
+    assert (method.p_w, method.v_w) == (0.5, 0.25)
+    default = make_method("eagle", **dict(config_from_args(parser.parse_args(base)).method_options))
+    assert (default.p_w, default.v_w) == (0.1, 1.0)
+    # both terms off, or a weight on a method without it: one-line errors, nothing written
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    for method_name, extra, words in (
+            ("eagle", ["--token-loss-weight", "0", "--feature-loss-weight", "0"], "both 0"),
+            ("medusa", ["--token-loss-weight", "1"], "--token-loss-weight does not apply")):
+        rc = main(["train", "--method", method_name, "--prompts", str(tmp_path / "p.jsonl"),
+                   "--out", str(tmp_path / "o"), *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and words in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "o").exists()
 
 
 def test_make_method_refuses_options_it_lacks():
@@ -159,6 +188,9 @@ def test_eagle_loss_matches_torch():
     np.testing.assert_allclose(float(m["ploss"]), ploss.item(), rtol=1e-5)
     np.testing.assert_allclose(float(m["vloss"]), vloss.item(), rtol=1e-5)
     np.testing.assert_allclose(float(loss), vloss.item() + 0.1 * ploss.item(), rtol=1e-5)
+    weighted, _ = eagle_loss(jnp.asarray(pred), jnp.asarray(target), jnp.asarray(head),
+                             jnp.asarray(mask), v_w=0.3, p_w=2.0)
+    np.testing.assert_allclose(float(weighted), 0.3 * vloss.item() + 2.0 * ploss.item(), rtol=1e-5)
     agree = ((P @ H.T).argmax(-1) == (T @ H.T).argmax(-1)).float()
     np.testing.assert_allclose(float(m["acc_k"][0]),
                                (agree * M[..., 0]).sum().item() / (M.sum().item() + 1e-5), rtol=1e-6)

@@ -62,6 +62,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--own-lm-head", action="store_true",
                    help="Medusa: a vocabulary projection per head (default: the base's, frozen)")
     m.add_argument("--noise-std", type=float, default=None, help="EAGLE feature noise (0.2)")
+    m.add_argument("--feature-loss-weight", type=float, default=None,
+                   help="EAGLE: weight of the feature regression (smooth L1; default 1.0)")
+    m.add_argument("--token-loss-weight", type=float, default=None,
+                   help="EAGLE: weight of the token cross-entropy against the target's "
+                        "distribution (default 0.1)")
     m.add_argument("--draft-steps", type=int, default=None,
                    help="EAGLE-3 (7) / EAGLE (1) training-time-test steps; ReDrafter drafted "
                         "tokens (5)")
@@ -97,8 +102,12 @@ def config_from_args(args):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.noise_std is not None and args.noise_std < 0:
-        raise TrainError(f"--noise-std must be >= 0, got {args.noise_std}")
+    for name in ("noise_std", "feature_loss_weight", "token_loss_weight"):
+        value = getattr(args, name)
+        if value is not None and not value >= 0:  # NaN too
+            raise TrainError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if args.feature_loss_weight == 0 and args.token_loss_weight == 0:
+        raise TrainError("--feature-loss-weight and --token-loss-weight are both 0: nothing to train")
     if args.lr <= 0:
         raise TrainError(f"--lr must be > 0, got {args.lr}")
     if args.max_prompts < 0 or args.eval_prompts < 0:
@@ -106,9 +115,11 @@ def config_from_args(args):
     options = {"num_heads": args.num_heads, "num_layers": args.num_layers,
                "noise_std": args.noise_std, "own_lm_head": True if args.own_lm_head else None,
                "steps": args.draft_steps, "draft_vocab_size": args.draft_vocab_size,
-               "loss_positions": args.loss_positions,
+               "loss_positions": args.loss_positions, "v_w": args.feature_loss_weight,
+               "p_w": args.token_loss_weight,
                "draft_vocab_loss": True if args.draft_vocab_loss else None}
-    foreign = [{"steps": "--draft-steps"}.get(k, "--" + k.replace("_", "-")) for k, v in options.items()
+    flags = {"steps": "--draft-steps", "v_w": "--feature-loss-weight", "p_w": "--token-loss-weight"}
+    foreign = [flags.get(k, "--" + k.replace("_", "-")) for k, v in options.items()
                if v is not None and k not in method_options(args.method)]
     if foreign:
         raise TrainError(f"{', '.join(foreign)} does not apply to --method {args.method}")
