@@ -363,6 +363,18 @@ def decoding_of(result: dict) -> str:
             f"top-p {s['top_p']}, seed {result.get('seed', 0)} + prompt number")
 
 
+def _wrapped(label: str, width: int = 110) -> str:
+    """A method label cut into lines of at most `width` characters at its ':' separators."""
+    lines = [""]
+    for part in label.split(":"):
+        piece = part if not lines[-1] else ":" + part
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append(piece)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
+
+
 def plot_speedup(result: dict, out: Path) -> Path:
     """Bars of the speedup per category and method; a second panel for decoding alone (after
     the prompt's prefill) when the records hold it."""
@@ -393,9 +405,11 @@ def plot_speedup(result: dict, out: Path) -> Path:
         ax.set_ylabel(ylabel, fontsize=8)
     axes[0, 0].set_title(f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
                          f"{decoding_of(result)}, {result['machine']}", fontsize=7)
-    if methods:  # beside the bars, not over them
-        axes[0, 0].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    if methods:  # below the panels, so long method labels leave the bars their width
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        axes[-1, 0].legend(handles, [_wrapped(label) for label in labels], fontsize=6,
+                           loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out

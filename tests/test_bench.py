@@ -251,3 +251,16 @@ def test_mapping_share_reads_this_process():
     from specjax.bench import mapping_share
 
     assert 0 < mapping_share() < 1
+
+
+def test_plot_labels_wrap_at_option_separators():
+    from specjax.bench import _wrapped
+
+    label = ("eagle2:lookup_tokens=6:min_matching_ngram_size=2:eagle_draft_vocab=4096:"
+             "lookup_width=14:eagle_total_tokens=12:eagle_depth=4:eagle_top_k=3")
+    lines = _wrapped(label, width=40).split("\n")
+    assert "".join(lines) == label and len(lines) > 1
+    assert all(len(line) <= 40 for line in lines)
+    assert all(line.startswith(":") for line in lines[1:])  # cut only before a separator
+    assert _wrapped("vanilla") == "vanilla"
+    assert _wrapped("x" * 50, width=10) == "x" * 50  # one part longer than a line stays whole
