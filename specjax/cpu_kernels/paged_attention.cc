@@ -118,8 +118,11 @@ struct Job {
 
   // Per sequence b, the mask columns some query sees, in order (key_col[seq_start[b] ..
   // seq_start[b + 1]]), of which the first seq_common[b] every query sees; row_end[b * T + t]:
-  // 1 + the index among them of the last one query row t sees (0: none).
-  std::vector<int64_t> key_col, seq_start, seq_common, row_end;
+  // 1 + the index among them of the last one query row t sees (0: none). key_off / key_new:
+  // where each such key sits in kv head 0's pool (or among the new rows, key_new), found once
+  // per call rather than once per chunk.
+  std::vector<int64_t> key_col, seq_start, seq_common, row_end, key_off;
+  std::vector<uint8_t> key_new;
 
   void index();
   void chunk(int64_t task, std::vector<const float*>& keys, std::vector<const float*>& vals,
@@ -128,6 +131,8 @@ struct Job {
 
 void Job::index() {
   key_col.clear();
+  key_off.clear();
+  key_new.clear();
   seq_start.assign(1, 0);
   seq_common.clear();
   row_end.assign(B * T, 0);
@@ -150,6 +155,14 @@ void Job::index() {
       if (all[col] && common == static_cast<int64_t>(key_col.size()) - start) ++common;
       key_of[col] = static_cast<int64_t>(key_col.size()) - start;
       key_col.push_back(col);
+      if (col < NP * ps) {
+        int64_t page = std::min<int64_t>(std::max<int32_t>(table[b * NP + col / ps], 0), P - 1);
+        key_off.push_back((page * ps + col % ps) * D);
+        key_new.push_back(0);
+      } else {
+        key_off.push_back((b * Tn + (col - NP * ps)) * KVH * D);
+        key_new.push_back(1);
+      }
     }
     seq_start.push_back(static_cast<int64_t>(key_col.size()));
     seq_common.push_back(common);
@@ -175,7 +188,6 @@ void Job::chunk(int64_t task, std::vector<const float*>& keys, std::vector<const
   const int64_t c = task % chunks, rest = task / chunks;
   const int64_t kvh = rest % KVH, b = rest / KVH;
   const int64_t r0 = c * kChunkRows, rc = std::min<int64_t>(kChunkRows, R - r0);
-  const int64_t paged = NP * ps;
   const bool* m = mask + b * T * S;
 
   // This sequence's keys (`index`), as pointers into this kv head's pages and new rows, up to
@@ -183,22 +195,17 @@ void Job::chunk(int64_t task, std::vector<const float*>& keys, std::vector<const
   // leaving them out changes no result (a causal prefill's early rows read only their prefix).
   const int64_t lo = seq_start[b], common = seq_common[b];
   const int64_t* col_of = key_col.data() + lo;
+  const int64_t* off_of = key_off.data() + lo;
+  const uint8_t* new_of = key_new.data() + lo;
   int64_t n = common;
   for (int64_t rr = 0; rr < rc; ++rr) n = std::max(n, row_end[b * T + (r0 + rr) / G]);
   keys.resize(n);
   vals.resize(n);
+  const int64_t pool = kvh * P * ps * D;
+  const float *kp = k + pool, *vp = v + pool, *kn = k_new + kvh * D, *vn = v_new + kvh * D;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t col = col_of[j];
-    if (col < paged) {
-      int64_t page = std::min<int64_t>(std::max<int32_t>(table[b * NP + col / ps], 0), P - 1);
-      int64_t off = ((kvh * P + page) * ps + col % ps) * D;
-      keys[j] = k + off;
-      vals[j] = v + off;
-    } else {
-      int64_t off = ((b * Tn + (col - paged)) * KVH + kvh) * D;
-      keys[j] = k_new + off;
-      vals[j] = v_new + off;
-    }
+    keys[j] = (new_of[j] ? kn : kp) + off_of[j];
+    vals[j] = (new_of[j] ? vn : vp) + off_of[j];
   }
   const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
   for (int64_t j = n; j < padded; ++j) keys.push_back(kZeroRow);
