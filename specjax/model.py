@@ -38,8 +38,25 @@ class ForwardOutput(NamedTuple):
 
 def rms_norm(x, weight, eps):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x32 * jax.lax.rsqrt(row_sums(x32 * x32) / x.shape[-1] + eps)
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def row_sums(x):
+    """x [..., n] summed over its last axis (keeping it, size 1), each row the same way whatever
+    the number of rows.
+
+    XLA:CPU sums a few rows through a library (YNNPACK) and a single row in its own loop, in
+    different orders: a verify pass's normalized rows differed in the last bits from the same
+    rows decoded one at a time, which could flip a near-tie of the greedy choice. Where the CPU
+    matmul kernel takes the rows they are summed as a product with a row of ones, which computes
+    every row alike (`specjax.cpu_matmul`); elsewhere (prefill, GPU) XLA's sum.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    ones = jnp.ones((1, x.shape[-1]), x2.dtype)
+    if kernel_applies(x2, ones):
+        return rows_matmul(x2, ones).reshape(*x.shape[:-1], 1)
+    return jnp.sum(x, axis=-1, keepdims=True)
 
 
 def linear(x, w, out_dtype=None):

@@ -50,6 +50,49 @@ def test_a_row_does_not_depend_on_how_many_rows_share_the_pass():
 
 
 @needs_kernel
+def test_rms_norm_rows_do_not_depend_on_how_many_rows_share_the_pass():
+    """XLA:CPU sums a few rows and one row in different orders; `row_sums` must not."""
+    from specjax.model import rms_norm
+
+    rng = np.random.default_rng(2)
+    g = jnp.asarray(rng.standard_normal(576).astype(np.float32))
+    x = jnp.asarray(3 * rng.standard_normal((1, 24, 576)).astype(np.float32))
+    with use_cpu_matmul("kernel"):
+        f = jax.jit(lambda x: rms_norm(x, g, 1e-5))
+        alone = np.concatenate([np.asarray(f(x[:, i:i + 1])) for i in range(24)], axis=1)
+        for t in (2, 4, 8, 12, 24):
+            np.testing.assert_array_equal(np.asarray(f(x[:, :t])), alone[:, :t])
+
+
+@needs_kernel
+def test_verify_rows_equal_one_token_decodes_bit_for_bit():
+    """A T-token pass over the cache gives each row the logits decoding it alone gives, bit for
+    bit (both CPU kernels): what makes greedy speculation reproduce vanilla decoding exactly."""
+    from specjax.cache import PagedKVCache, init_pages
+    from specjax.config import ModelConfig
+    from specjax.model import causal_mask, forward, init_params
+
+    config = ModelConfig(vocab_size=300, hidden_size=576, intermediate_size=1536, num_layers=2,
+                         num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's widths
+    params = init_params(config, jax.random.PRNGKey(3), scale=0.1)
+    k, v = init_pages(config, 8, 16)
+    start = PagedKVCache(k, v, jnp.arange(8, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 300, (1, 20)), jnp.int32)
+    step = jax.jit(lambda c, tok, pos, mask: forward(params, config, tok, pos, c, mask))
+    with use_cpu_matmul("kernel"):
+        out = step(start, tokens[:, :8], jnp.arange(8)[None], causal_mask(1, 8))
+        prompt = out.cache.replace(lengths=out.cache.lengths + 8)
+        cache, decoded = prompt, []
+        for i in range(8, 20):
+            out = step(cache, tokens[:, i:i + 1], jnp.full((1, 1), i), causal_mask(1, 1))
+            cache = out.cache.replace(lengths=out.cache.lengths + 1)
+            decoded.append(np.asarray(out.logits[0, 0]))
+        for t in (2, 5, 12):
+            out = step(prompt, tokens[:, 8:8 + t], jnp.arange(8, 8 + t)[None], causal_mask(1, t))
+            np.testing.assert_array_equal(np.asarray(out.logits[0]), np.stack(decoded[:t]))
+
+
+@needs_kernel
 @pytest.mark.parametrize("k", [7, 45, 576])
 def test_float16_weights_give_the_float32_kernel_result_of_the_widened_weight(k):
     """A float16 weight (half the bytes to stream) is widened exactly: bit-identical to the
