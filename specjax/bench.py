@@ -9,12 +9,15 @@ excluded), batch 1, greedy (or sampling, every method and peer with the same set
 seeds), stopping at EOS or max_new_tokens.
 
 Per-prompt records are appended to `records.jsonl` in the output folder as they finish; an
-interrupted run started again with the same folder and settings skips what is there.
+interrupted run started again with the same folder and settings skips what is there: each record
+names its prompt by a hash of the text, so a record whose (category, index) now holds another
+prompt (another `--limit` spreads the picks differently) is run again, never reused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -206,7 +209,7 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     draft_opts = dict(draft_spec.options) if draft_spec else {}
     labels = [s.label for s in specs] + (list(PEERS) if peers else [])
     todo = [(n, p, e, m) for n, (p, e) in enumerate(zip(prompts, encoded)) for m in labels
-            if (p["category"], p["index"], m) not in done]
+            if done.get((p["category"], p["index"], m), {}).get("prompt_sha") != prompt_sha(p)]
     with records_path.open("a") as log:
         last = None
         for n, p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
@@ -236,7 +239,8 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
                 rec = {"tokens": len(out.token_ids[0]), "seconds": out.seconds,
                        "prefill_seconds": out.prefill_seconds, "steps": out.steps[0],
                        "token_ids": out.token_ids[0]}
-            rec.update(category=p["category"], index=p["index"], method=label)
+            rec.update(category=p["category"], index=p["index"], method=label,
+                       prompt_sha=prompt_sha(p))
             done[(p["category"], p["index"], label)] = rec
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -246,6 +250,11 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
               "sampling": dataclasses.asdict(sampling), "seed": seed, "rows": rows}
     write_results(result, out_dir)
     return result
+
+
+def prompt_sha(prompt: dict) -> str:
+    """What a record calls its prompt: the first 16 hex digits of the text's SHA-256."""
+    return hashlib.sha256(prompt["text"].encode()).hexdigest()[:16]
 
 
 def _check_settings(out_dir: Path, settings: dict) -> None:

@@ -77,6 +77,27 @@ def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path,
     assert (out / "records.jsonl").read_text() == before
 
 
+def test_resume_reruns_a_record_whose_prompt_changed(tiny_llama, tmp_path):
+    """Another --limit spreads the picks differently: a record at the same (category, index) but
+    of another prompt is run again, not reused."""
+    from specjax.bench import prompt_sha
+
+    texts = ["one two three", "four five six", "seven eight", "nine ten"]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"category": "chat", "prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "bench"
+    args = ["bench", "--model", str(tiny_llama[0]), "--methods", "vanilla", "--prompts", str(f),
+            "--max-new-tokens", "4", "--out", str(out)]
+    assert main(args + ["--limit", "2"]) == 0  # texts 0 and 2, as indices 0 and 1
+    assert main(args) == 0  # all four: index 0 reused, 1 (now text 1) run again, 2 and 3 new
+    recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in recs] == [0, 1, 1, 2, 3]
+    assert {r["index"]: r["prompt_sha"] for r in recs} == {
+        i: prompt_sha({"text": t}) for i, t in enumerate(texts)}
+    res = json.loads((out / "results.json").read_text())
+    assert [r["prompts"] for r in res["rows"]] == [4]
+
+
 def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file, tmp_path,
                                                           capsys):
     """--temperature/--top-p: every method samples; rows say nothing of equal outputs; the
