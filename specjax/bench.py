@@ -11,7 +11,8 @@ seeds), stopping at EOS or max_new_tokens.
 Per-prompt records are appended to `records.jsonl` in the output folder as they finish; an
 interrupted run started again with the same folder and settings skips what is there: each record
 names its prompt by a hash of the text, so a record whose (category, index) now holds another
-prompt (another `--limit` spreads the picks differently) is run again, never reused.
+prompt (another `--limit` spreads the picks differently) is run again, never reused (records
+written before records carried the hash run again too).
 """
 
 from __future__ import annotations
