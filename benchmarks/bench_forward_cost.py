@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from specjax import load_model
 from specjax.bench import machine
 from kernels_pallas import use_attention_backend
-from specjax.cpu_matmul import unsupported_reason, use_cpu_matmul
+from specjax.cpu_matmul import (pack_params, take_rows, unpack_params, unsupported_reason,
+                                use_cpu_matmul)
 from specjax.cache import PagedKVCache, init_pages, pages_needed
 from specjax.draft_tree import chain
 from specjax.model import _mlp_block, compute_logits, forward
@@ -63,12 +64,12 @@ def measure(model, widths, context: int, iters: int, matmul: str = "auto",
     specjax.cpu_matmul setting: XLA's product or the few-row kernel) and attention on the
     `attention` backend (kernels_pallas.dispatch: the XLA reference or the CPU kernel)."""
     with use_cpu_matmul(matmul), use_attention_backend(attention):
-        rows = _measure(model, widths, context, iters)
+        params = pack_params(unpack_params(model.params))  # packed for the kernel
+        rows = _measure(params, model.config, widths, context, iters)
     return [{"matmul": matmul, "attention": attention, **r} for r in rows]
 
 
-def _measure(model, widths, context, iters):
-    params, config = model.params, model.config
+def _measure(params, config, widths, context, iters):
     rows = []
     for w in widths:
         def tokens(acc):
@@ -84,14 +85,14 @@ def _measure(model, widths, context, iters):
 
         def mlps(p, c):
             cache, acc = c
-            x = p["embed"][tokens(acc)]
+            x = take_rows(p["embed"], tokens(acc))
             for layer in p["layers"]:
                 x = _mlp_block(layer, config, x)
             return cache, acc + x[0, -1, 0]
 
         def head(p, c):
             cache, acc = c
-            return cache, acc + compute_logits(p, p["embed"][tokens(acc)])[0, -1, 0]
+            return cache, acc + compute_logits(p, take_rows(p["embed"], tokens(acc)))[0, -1, 0]
 
         def pruned(p, c):
             cache, acc = c

@@ -89,11 +89,14 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
-def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None) -> Model:
+def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None,
+               pack: bool = True) -> Model:
     """Load a model by embedded name, checkpoint directory (specjax or Hugging Face) or GGUF file.
 
     With a `mesh` (`sharding.make_mesh`), each weight goes from host memory straight into its
-    shards (tensor-parallel layers unfused), never whole onto one device.
+    shards (tensor-parallel layers unfused), never whole onto one device. Otherwise, where the
+    CPU matmul kernel takes products, the weights come packed for it (`cpu_matmul.pack_params`;
+    pack=False keeps them plain [out, in] arrays, e.g. for training).
     """
     path = resolve_model_path(str(name_or_path))
     dtype = default_dtype() if dtype is None else dtype
@@ -104,6 +107,10 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None) -> Mod
         params = shard_params(params, config, mesh, dtype)
     else:
         params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+        if pack:
+            from specjax.cpu_matmul import pack_params
+
+            params = pack_params(params)
     from convert.registry import is_embedded
 
     name = str(name_or_path) if is_embedded(str(name_or_path)) else None

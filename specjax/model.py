@@ -22,7 +22,8 @@ from kernels_pallas import (attention_backend, attention_with_new_rows, paged_at
 from specjax import cpu_attention
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.cpu_matmul import MAX_ROWS, kernel_applies, rows_matmul
+from specjax.cpu_matmul import (MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul,
+                                take_rows)
 from specjax.rope import apply_rope, rope_cos_sin
 
 
@@ -69,9 +70,9 @@ def linear(x, w, out_dtype=None):
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.result_type(x, w))
-    if kernel_applies(x2, w, out_dtype):  # few float32 rows on CPU: specjax.cpu_matmul
+    if kernel_applies(x2, w, out_dtype):  # float32 rows on CPU: specjax.cpu_matmul
         return rows_matmul(x2, w).reshape(*lead, w.shape[0])
-    return _columns(x2, w, out_dtype).T.reshape(*lead, w.shape[0])
+    return _columns(x2, as_array(w), out_dtype).T.reshape(*lead, w.shape[0])
 
 
 def _columns(x, w, out_dtype=None):
@@ -124,7 +125,7 @@ def head_logits(x, w):
     which wins from a few hundred rows on (the 49152-row head alone: 75.6 ms against 85.1 at
     256 rows).
     """
-    if x.size // x.shape[-1] > 64:
+    if x.size // x.shape[-1] > 64 and not isinstance(w, PackedWeight):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
     return linear(x, w, jnp.float32)
 
@@ -224,7 +225,8 @@ def _mlp_block(layer, config: ModelConfig, x):
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     if "w_gate_up" not in layer:  # unfused (tensor-parallel layers)
         act = jax.nn.silu(linear(h, layer["w_gate"])) * linear(h, layer["w_up"])
-    elif np.prod(h.shape[:-1]) > MAX_ROWS:  # more rows than the CPU kernel takes: XLA's product
+    elif np.prod(h.shape[:-1]) > MAX_ROWS and not isinstance(layer["w_gate_up"], PackedWeight):
+        # more rows than the CPU kernel takes from a plain weight: XLA's product
         act = _gated_columns(h, layer["w_gate_up"])
     else:
         gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
@@ -319,7 +321,7 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     if any(i < 0 or i >= config.num_layers for i in wanted):
         raise ValueError(f"hidden_layers must lie in [0, {config.num_layers})")
     x, cache, captured, new_kv = decoder_layers(params["layers"], config,
-                                                params["embed"][tokens], positions, cache,
+                                                take_rows(params["embed"], tokens), positions, cache,
                                                 tree_mask, valid, wanted,
                                                 defer_kv_write=defer_kv_write)
     hidden = rms_norm(x, params["norm"], config.rms_norm_eps)

@@ -138,6 +138,111 @@ def test_leading_axes_head_and_gradients():
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(203, 7), (64, 576), (1, 45)])
+def test_packed_weight_gives_the_plain_weights_results(n, k):
+    """`pack_weight` round-trips; a packed weight's products equal the plain weight's bit for bit
+    (a plain one is packed on the way), take_rows picks the same rows, and a packed weight takes
+    the kernel for more than MAX_ROWS rows too, each row as it comes alone."""
+    from specjax.cpu_matmul import PackedWeight, pack_weight, take_rows
+
+    rng = np.random.default_rng(n + k)
+    w = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32))
+    p = pack_weight(w)
+    assert isinstance(p, PackedWeight) and p.shape == (n, k) and p.panels.shape[2] == 32
+    np.testing.assert_array_equal(np.asarray(p.unpack()), np.asarray(w))
+    ids = jnp.asarray([0, n - 1, n // 2])
+    np.testing.assert_array_equal(np.asarray(take_rows(p, ids)), np.asarray(w)[np.asarray(ids)])
+    many = jnp.asarray(rng.standard_normal((100, k)).astype(np.float32))
+    with use_cpu_matmul("kernel"):
+        f = jax.jit(linear)
+        for m in (1, 3, 14, 15, 29):
+            np.testing.assert_array_equal(np.asarray(f(many[:m], p)), np.asarray(f(many[:m], w)))
+        assert TARGET in _hlo(linear, many, p)
+        got = np.asarray(f(many, p))
+        np.testing.assert_allclose(got, np.asarray(many) @ np.asarray(w).T, rtol=2e-5, atol=2e-4)
+        np.testing.assert_array_equal(got[:29], np.asarray(f(many[:29], w)))
+    with use_cpu_matmul("xla"):  # a packed weight without the kernel: XLA's product
+        assert TARGET not in _hlo(linear, many[:5], p)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(many[:5], p)),
+                                   np.asarray(many[:5]) @ np.asarray(w).T, rtol=2e-5, atol=2e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_model_decodes_bit_for_bit_as_the_plain_one(tied):
+    """`pack_params` (what `load_model` does for the kernel) changes no logit: a prompt's
+    prefill (more rows than MAX_ROWS: the kernel too once packed, XLA before) is close, a decode
+    and a verify over the same cache equal (the verify's first row the decode, as with plain
+    weights: head_dim 64 for the attention kernel); `unpack_params` gives the plain weights back,
+    and gradients flow through a packed weight."""
+    from specjax.cache import PagedKVCache, init_pages
+    from specjax.config import ModelConfig
+    from specjax.cpu_matmul import PackedWeight, pack_params, unpack_params
+    from specjax.model import causal_mask, forward, init_params
+
+    config = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=96, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=64, tie_word_embeddings=tied)
+    plain = init_params(config, jax.random.PRNGKey(5), scale=0.1)
+    with use_cpu_matmul("kernel"):
+        packed = pack_params(plain)
+    assert isinstance(packed["layers"][0]["wqkv"], PackedWeight)
+    assert isinstance(packed["lm_head" if not tied else "embed"], PackedWeight)
+    assert isinstance(packed["embed"], PackedWeight) == tied  # the head, or lookups only
+    back = unpack_params(packed)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(plain)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    k, v = init_pages(config, 16, 16)
+    start = PagedKVCache(k, v, jnp.arange(16, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, 300, (1, 90)), jnp.int32)
+    with use_cpu_matmul("kernel"):
+        outs, cache = [], None
+        for params in (plain, packed):
+            step = jax.jit(lambda c, tok, pos, mask, p=params: forward(p, config, tok, pos, c, mask))
+            pre = step(start, tokens[:, :80], jnp.arange(80)[None], causal_mask(1, 80))
+            if cache is None:  # both decode over the plain prefill's cache
+                cache = pre.cache.replace(lengths=pre.cache.lengths + 80)
+            one = step(cache, tokens[:, 80:81], jnp.full((1, 1), 80), causal_mask(1, 1))
+            ten = step(cache, tokens[:, 80:90], jnp.arange(80, 90)[None], causal_mask(1, 10))
+            outs.append((pre.logits, one.logits, ten.logits))
+        np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-5)
+        for a, b in zip(outs[0][1:], outs[1][1:]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(outs[1][1][0, 0]), np.asarray(outs[1][2][0, 0]))
+        w = packed["layers"][0]["w_down"]
+        x = jnp.asarray(np.random.default_rng(7).standard_normal((3, 96)).astype(np.float32))
+        gx, gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(linear(x, w))), argnums=(0, 1))(x, w)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), argnums=(0, 1))(x, w.unpack())
+    np.testing.assert_allclose(gx, rx, rtol=1e-4, atol=1e-5)
+    assert isinstance(gw, PackedWeight)
+    np.testing.assert_allclose(gw.unpack(), rw, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_half_weights_packs_draft_matrices_in_float16():
+    """A draft network's matrices, plain or packed, come packed in float16 (or packed float32
+    with SPECJAX_DRAFT_WEIGHTS=float32); vectors stay; nothing changes without the kernel."""
+    from specjax.cpu_matmul import PackedWeight, half_weights, pack_weight, use_draft_weights
+
+    rng = np.random.default_rng(8)
+    tree = {"w": jnp.asarray(rng.standard_normal((40, 16)).astype(np.float32)),
+            "p": pack_weight(jnp.asarray(rng.standard_normal((33, 16)).astype(np.float32))),
+            "b": jnp.zeros((16,))}
+    with use_cpu_matmul("kernel"):
+        half = half_weights(tree)
+        with use_draft_weights("float32"):
+            full = half_weights(tree)
+    for name in ("w", "p"):
+        assert isinstance(half[name], PackedWeight) and half[name].dtype == jnp.float16
+        assert isinstance(full[name], PackedWeight) and full[name].dtype == jnp.float32
+    np.testing.assert_array_equal(half["w"].unpack(), tree["w"].astype(jnp.float16))
+    np.testing.assert_array_equal(full["p"].unpack(), tree["p"].unpack())
+    assert half["b"] is tree["b"]
+    with use_cpu_matmul("xla"):
+        assert half_weights(tree) is tree
+
+
+@needs_kernel
 def test_xla_takes_what_the_kernel_does_not():
     """More rows than MAX_ROWS (prefill, training batches), bfloat16 weights: XLA's product, even
     when the kernel is forced."""

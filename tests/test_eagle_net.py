@@ -192,12 +192,13 @@ def test_draft_weights_are_float16_on_the_cpu_kernel_and_output_stays_vanilla(ea
                                                                                tmp_path,
                                                                                tiny_llama):
     """On the CPU matmul kernel the draft's own matrices (fc, layers, its lm_head rows) are
-    float16 (half the bytes per draft pass); SPECJAX_DRAFT_WEIGHTS=float32 keeps them float32.
+    float16 (half the bytes per draft pass) and packed for it; SPECJAX_DRAFT_WEIGHTS=float32
+    keeps them float32.
     Either way the target's embedding is untouched and greedy output equals vanilla."""
     import jax
 
     from specjax import Engine, load_model
-    from specjax.cpu_matmul import kernel_in_use, use_draft_weights
+    from specjax.cpu_matmul import PackedWeight, kernel_in_use, use_draft_weights
     from specjax.methods import make_proposer
 
     d, _, _, _ = eagle_dir
@@ -211,8 +212,10 @@ def test_draft_weights_are_float16_on_the_cpu_kernel_and_output_stays_vanilla(ea
         with use_draft_weights(setting):
             p, params = make_proposer("eagle2", model, heads=str(out), eagle_total_tokens=6,
                                       eagle_depth=3, eagle_top_k=2)
-        mats = [a for a in jax.tree_util.tree_leaves(params["net"]) if a.ndim == 2]
+        mats = [a for a in jax.tree_util.tree_leaves(
+            params["net"], is_leaf=lambda a: isinstance(a, PackedWeight)) if a.ndim == 2]
         assert mats and {a.dtype for a in mats} == {jnp.dtype(want)}
+        assert all(isinstance(a, PackedWeight) for a in mats) == kernel_in_use()
         assert params["lm_head"].dtype == want and params["embed"].dtype == jnp.float32
         spec = eng.generate(prompts, 12, eos_token_ids=(), proposer=p, proposer_params=params)
         assert spec.token_ids == vanilla

@@ -15,6 +15,7 @@ import torch
 
 from specjax import Engine
 from specjax.checkpoint import CheckpointError
+from specjax.cpu_matmul import unpack_params
 from specjax.cli import main
 from specjax.loading import load_model
 from specjax.model import lm_head_weight
@@ -208,7 +209,7 @@ def test_oracle_drafter_accepts_whole_beams(tiny):
     token accepts whole beams, with 5 beams and with one (a chain)."""
     model, _, _ = tiny
     cfg = model.config
-    loop = dict(model.params)  # every token but 7 embeds alike (tied: the LM head too)
+    loop = unpack_params(model.params)  # every token but 7 embeds alike (tied: the LM head too)
     loop["embed"] = jnp.zeros_like(loop["embed"]).at[:, 0].set(1.0).at[7, 0].set(5.0)
     eng = Engine(loop, cfg, num_pages=256, page_size=8)
     vanilla = eng.generate(PROMPTS[:1], 16, eos_token_ids=())

@@ -199,7 +199,7 @@ def fit_trees(heads, data, base="smollm2-135m", nodes=(4, 8, 16, 32, 63), max_ra
     if any(n < 1 for n in nodes) or max_rank < 1:
         raise ValueError("--nodes and --max-rank must be >= 1")
     store = FeatureStore(find_final_features(data))
-    model = load_model(base)
+    model = load_model(base, pack=False)
     if store.hidden_size != model.config.hidden_size:
         raise ValueError(f"features of hidden size {store.hidden_size} do not match the base "
                          f"model's {model.config.hidden_size}")

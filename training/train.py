@@ -470,6 +470,7 @@ def training_store(root: Path, extra_data: Sequence[str], data_dir: Path) -> Fea
 def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = True,
         model=None) -> dict:
     """The whole pipeline up to cfg.until; returns paths and results of the stages run."""
+    from specjax.cpu_matmul import unpack_params
     from specjax.heads import save_heads
     from specjax.loading import load_model
     from training.data import DistillConfig, distill, read_prompt_file, sequences_of
@@ -482,6 +483,9 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     records = read_prompt_file(cfg.prompts)
     model = load_model(cfg.base, dtype=jnp.float32) if model is None else model
     config = model.config
+    # answers and evaluation decode with the weights packed for the CPU kernel; features and
+    # training read plain ones
+    plain_params = unpack_params(model.params)
     check_out_dir(cfg, config.hidden_size, config.vocab_size)
     init_params = None
     if cfg.init_heads:
@@ -506,7 +510,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     if cfg.until == "distill":
         return result
     spec = method.feature_spec(config, cfg.feature_dtype)
-    root = extract_features(model.params, config, sequences_of(rows, cfg.max_len), cfg.data_dir,
+    root = extract_features(plain_params, config, sequences_of(rows, cfg.max_len), cfg.data_dir,
                             spec, batch_size=cfg.feature_batch, progress=progress)
     result["features"] = str(root)
     if cfg.until == "features":
@@ -515,7 +519,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     result["train_sequences"] = len(store)
     constants = method.constants(store, config, cfg.init_heads)
     t0 = time.perf_counter()
-    state = fit(method, config, model.params, store, cfg.out, cfg.optim(),
+    state = fit(method, config, plain_params, store, cfg.out, cfg.optim(),
                 batch_size=cfg.batch_size, max_len=cfg.max_len, seed=cfg.seed,
                 save_every=cfg.save_every, init_params=init_params, stop_after=stop_after,
                 progress=progress, constants=constants, group_by_length=cfg.group_by_length)

@@ -22,6 +22,7 @@ import numpy as np
 from kernels_pallas import paged_attention, uses_pallas, write_paged_kv
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.cpu_matmul import take_rows
 from specjax.model import _mlp_block, head_logits, key_mask, linear, rms_norm
 from specjax.rope import apply_rope, rope_cos_sin
 
@@ -95,7 +96,7 @@ def eagle3_forward(params, config: ModelConfig, embed, tokens, features, positio
     h = features.astype(table.dtype)
     cos, sin = rope_cos_sin(config, positions)
     keys_seen = key_mask(config, cache, positions, tree_mask)
-    x, k0, v0 = _midlayer(params["layers"][0], config, table[tokens], h, cos, sin,
+    x, k0, v0 = _midlayer(params["layers"][0], config, take_rows(table, tokens), h, cos, sin,
                           cache.k_pages[0], cache.v_pages[0], cache, slots, valid, tree_mask,
                           keys_seen)
     return x, cache.replace(k_pages=[k0], v_pages=[v0])

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.cpu_matmul import take_rows
 from specjax.model import decoder_layers, head_logits, linear
 
 
@@ -26,7 +27,7 @@ def eagle_forward(params, config: ModelConfig, embed, tokens, features, position
     b, t = tokens.shape
     if valid is None:
         valid = jnp.ones((b, t), bool)
-    x = jnp.concatenate([embed[tokens], features.astype(embed.dtype)], axis=-1)
+    x = jnp.concatenate([take_rows(embed, tokens), features.astype(embed.dtype)], axis=-1)
     fc = params["fc"]  # "kernel" [2D, D] as trained, or "weight" [D, 2D] as `linear` takes it
     x = linear(x, fc["weight"]) if "weight" in fc else x @ fc["kernel"]
     if "bias" in fc:
@@ -69,4 +70,4 @@ def draft_vocabulary(lm_head, draft_ids, size: int | None):
         if not 1 <= size <= ids.shape[0]:
             raise ValueError(f"draft vocabulary size must be in [1, {ids.shape[0]}], got {size}")
         ids = ids[:size]
-    return lm_head[ids], ids
+    return take_rows(lm_head, ids), ids

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.draft_tree import DraftTree
-from specjax.cpu_matmul import half_weights
+from specjax.cpu_matmul import half_weights, take_rows
 from specjax.model import head_logits
 from specjax.sampling import kth_largest
 
@@ -132,7 +132,7 @@ def beam_search(params, embed, hidden, init_token, *, num_beams: int, draft_len:
 
     def step(carry, i):
         beams, state, score, last = carry
-        state = rnn_step(params, state, embed[last].astype(jnp.float32), rnn)
+        state = rnn_step(params, state, take_rows(embed, last).astype(jnp.float32), rnn)
         logits = warp_logits(drafter_logits(params, ctx, state), warp_top_k)  # [B, W, V]
         if temperature is not None:
             logits = logits / temperature
