@@ -321,8 +321,8 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     if any(i < 0 or i >= config.num_layers for i in wanted):
         raise ValueError(f"hidden_layers must lie in [0, {config.num_layers})")
     x, cache, captured, new_kv = decoder_layers(params["layers"], config,
-                                                take_rows(params["embed"], tokens), positions, cache,
-                                                tree_mask, valid, wanted,
+                                                take_rows(params["embed"], tokens), positions,
+                                                cache, tree_mask, valid, wanted,
                                                 defer_kv_write=defer_kv_write)
     hidden = rms_norm(x, params["norm"], config.rms_norm_eps)
     if logits_at is None:
