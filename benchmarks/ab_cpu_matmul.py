@@ -5,12 +5,14 @@ kernel, in one process (arms alternate, ABAB by default).
         --methods vanilla,eagle2,pld:min_matching_ngram_size=2 --out runs/ab_cpu_matmul
     python benchmarks/ab_cpu_matmul.py --kernel attention ...   # specjax.cpu_attention
     python benchmarks/ab_cpu_matmul.py --kernel half-draft ...  # float16 draft weights
+    python benchmarks/ab_cpu_matmul.py --kernel int8-draft ...  # int8 draft weights
 
 `--kernel matmul` (default) compares XLA's products with specjax.cpu_matmul's (attention on its
 default backend); `--kernel attention` compares the XLA attention reference with
 specjax.cpu_attention's kernel (products on the matmul kernel); `--kernel half-draft` compares
-draft networks with float32 weights ("xla" arm) against float16 ones ("kernel" arm, the default:
-specjax.cpu_matmul.half_weights), both on the kernels. Each arm is one
+draft networks with float32 weights ("xla" arm) against float16 ones ("kernel" arm,
+specjax.cpu_matmul.draft_weights), both on the kernels; `--kernel int8-draft` float16 draft
+weights ("xla" arm) against int8 ones ("kernel" arm). Each arm is one
 `specjax.bench.run_bench` (methods interleaved per prompt); the table gives each method's
 tokens/s per arm, the kernel's gain, and the speedup over the same arm's vanilla.
 """
@@ -28,12 +30,14 @@ from specjax.cpu_matmul import use_cpu_matmul, use_draft_weights
 
 
 def arm_setting(kernel: str, arm: str):
-    """The `with` block that runs `arm` ("xla" or "kernel") of `kernel` ("matmul", "attention" or
-    "half-draft")."""
+    """The `with` block that runs `arm` ("xla" or "kernel") of `kernel` ("matmul", "attention",
+    "half-draft" or "int8-draft")."""
     if kernel == "attention":
         return use_attention_backend("cpu" if arm == "kernel" else "xla")
     if kernel == "half-draft":
-        return use_draft_weights("auto" if arm == "kernel" else "float32")
+        return use_draft_weights("float16" if arm == "kernel" else "float32")
+    if kernel == "int8-draft":
+        return use_draft_weights("int8" if arm == "kernel" else "float16")
     return use_cpu_matmul(arm)
 
 
@@ -78,7 +82,8 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--arms", nargs="+", default=["xla", "kernel", "xla", "kernel"],
                     choices=["xla", "kernel"])
-    ap.add_argument("--kernel", choices=["matmul", "attention", "half-draft"], default="matmul")
+    ap.add_argument("--kernel", choices=["matmul", "attention", "half-draft", "int8-draft"],
+                    default="matmul")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     enable_compile_cache()

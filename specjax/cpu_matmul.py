@@ -13,8 +13,8 @@ The kernel is built with the machine's g++ on first use (`specjax.cpu_native`) a
 XLA FFI custom call. Chosen when a function is traced:
 - `SPECJAX_CPU_MATMUL` = `auto` (default) | `kernel` | `xla`; `use_cpu_matmul(name)` overrides
   it inside a `with` block.
-- `auto` uses the kernel for float32 rows times float32 or float16 weights (widened exactly in
-  registers: a float16 weight streams half the bytes), at most `MAX_ROWS` rows of a plain weight
+- `auto` uses the kernel for float32 rows times float32, float16 or int8 weights (widened
+  exactly in registers: a float16 weight streams half the bytes, an int8 one a quarter), at most `MAX_ROWS` rows of a plain weight
   and any number of a packed one, when the process has a single device (a custom call cannot be
   split over a mesh by XLA's partitioner) on an x86-64 CPU with AVX2, FMA and F16C, and g++
   builds it; XLA's product otherwise. `kernel` raises instead of falling back when it cannot be
@@ -30,6 +30,7 @@ from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.trace_setting import TraceSetting
 from specjax.cpu_native import register, unsupported_reason  # noqa: F401 (re-exported)
@@ -38,19 +39,23 @@ ENV_VAR = "SPECJAX_CPU_MATMUL"
 SETTINGS = ("auto", "kernel", "xla")
 TARGET = "specjax_rows_matmul"  # the float32-weight target; the float16 one adds "_f16"
 TARGETS = {jnp.dtype(jnp.float32): TARGET,
-           jnp.dtype(jnp.float16): "specjax_rows_matmul_f16"}
+           jnp.dtype(jnp.float16): "specjax_rows_matmul_f16",
+           jnp.dtype(jnp.int8): "specjax_rows_matmul_s8"}
 # Up to this many rows of a plain weight the kernel (up to 14 rows per pass over the weight with
 # AVX-512, 6 with AVX2, the later passes from cache) takes the product, packing the weight on the
 # way; more (an unpacked model's prefill, training batches) take XLA's GEMM.
 MAX_ROWS = 64
 _SETTING = TraceSetting(ENV_VAR, SETTINGS, "CPU matmul setting")
-# Draft networks' weights: `auto` = float16 when the kernel takes their products (half_weights).
+# Draft networks' weights on the kernel (draft_weights): `auto` = DRAFT_AUTO.
 DRAFT_ENV_VAR = "SPECJAX_DRAFT_WEIGHTS"
-_DRAFT_SETTING = TraceSetting(DRAFT_ENV_VAR, ("auto", "float32"), "draft weights setting")
+DRAFT_SETTINGS = ("auto", "float32", "float16", "int8")
+DRAFT_AUTO = "int8"
+_DRAFT_SETTING = TraceSetting(DRAFT_ENV_VAR, DRAFT_SETTINGS, "draft weights setting")
 
 
 def use_draft_weights(name: str):
-    """Force draft weights `auto` or `float32` inside a `with` block (proposers made there)."""
+    """Force draft weights to `name` (one of DRAFT_SETTINGS) inside a `with` block (proposers
+    made there)."""
     return _DRAFT_SETTING.use(name)
 
 
@@ -84,33 +89,50 @@ def kernel_applies(x, w, out_dtype=None) -> bool:
     """Whether `linear` takes the kernel for x [M, K] times w [N, K] (decided at trace time):
     up to MAX_ROWS rows, any number for a `PackedWeight` (a prefill's too)."""
     fits = (x.ndim == 2 and w.ndim == 2 and x.dtype == jnp.float32 and w.dtype in TARGETS
+            and (w.dtype != jnp.int8 or isinstance(w, PackedWeight))  # int8 needs its scale
             and out_dtype in (None, jnp.float32) and x.shape[0] >= 1 and w.shape[0] >= 1
             and (x.shape[0] <= MAX_ROWS or isinstance(w, PackedWeight)))
     return fits and kernel_in_use()
 
 
-def half_weights(tree):
-    """`tree` with its 2-D float32 matrices packed for the kernel (`PackedWeight`) and in
-    float16, when the kernel takes products now; else unchanged. For a draft network, whose
-    products then stream half the bytes (a float16 weight is widened exactly in registers).
+def draft_weights(tree):
+    """`tree` with its 2-D float32 matrices packed for the kernel (`PackedWeight`) in the draft
+    weights setting's type, when the kernel takes products now; else unchanged. For a draft
+    network, whose few-row products stream each weight from memory: float16 streams half the
+    bytes (widened exactly in registers), int8 a quarter (rounded per row, `int8_weight`).
     Rounding a proposer's weights changes what it drafts, never the output, which the target
-    verifies. Packed but kept float32 if a value does not fit float16, or with
-    $SPECJAX_DRAFT_WEIGHTS=float32 (or inside `use_draft_weights("float32")`)."""
+    verifies. $SPECJAX_DRAFT_WEIGHTS (or `use_draft_weights`): auto (DRAFT_AUTO), float32,
+    float16 (kept float32 if a value does not fit) or int8."""
     if not kernel_in_use():
         return tree
     is_mat = lambda a: (isinstance(a, PackedWeight)  # noqa: E731
                         or (getattr(a, "ndim", 0) == 2 and a.dtype == jnp.float32))
     mats = [a for a in jax.tree_util.tree_leaves(tree, is_leaf=is_mat) if is_mat(a)]
-    half = _DRAFT_SETTING.get() != "float32" and all(
-        bool(jnp.all(jnp.abs(as_array(a)) <= jnp.finfo(jnp.float16).max)) for a in mats)
+    kind = _DRAFT_SETTING.get()
+    kind = DRAFT_AUTO if kind == "auto" else kind
+    if kind == "float16" and not all(
+            bool(jnp.all(jnp.abs(as_array(a)) <= jnp.finfo(jnp.float16).max)) for a in mats):
+        kind = "float32"
 
     def convert(a):
         if not is_mat(a) or a.dtype != jnp.float32:
             return a
+        if kind == "int8":
+            return int8_weight(a)
         a = pack_weight(a)
-        return PackedWeight(a.panels.astype(jnp.float16), a.rows) if half else a
+        return PackedWeight(a.panels.astype(jnp.float16), a.rows) if kind == "float16" else a
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=is_mat)
+
+
+def int8_weight(w) -> PackedWeight:
+    """w [N, K] rounded to int8 row by row (symmetric: scale = max |row| / 127), packed."""
+    w = as_array(w).astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=1) / 127
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = pack_weight(jnp.clip(jnp.round(w / scale[:, None]), -127, 127).astype(jnp.int8))
+    pad = q.panels.shape[0] * PANEL - w.shape[0]
+    return PackedWeight(q.panels, q.rows, jnp.pad(scale, (0, pad), constant_values=1.0))
 
 
 @lru_cache(maxsize=None)
@@ -122,7 +144,7 @@ def _warn_once(reason: str) -> None:
 PANEL = 32  # weight rows per panel of the kernel's layout
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scale"],
                    meta_fields=["rows"])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
@@ -130,11 +152,13 @@ class PackedWeight:
     rows 32q .. 32q + 31 (zero-padded) with k outermost, so the kernel reads each panel as one
     stream and accumulates 32 outputs in vector lanes (`cpu_kernels/rows_matmul.cc`).
 
-    Made once when a model is loaded for the kernel (`pack_params`, `half_weights`); `linear` and
-    `head_logits` take it where they take a [rows, K] weight."""
+    Made once when a model is loaded for the kernel (`pack_params`, `draft_weights`); `linear` and
+    `head_logits` take it where they take a [rows, K] weight. An int8 weight carries a float32
+    `scale` per row (padded to whole panels): row n is panels' row n times scale[n]."""
 
     panels: jax.Array
     rows: int
+    scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -147,9 +171,10 @@ class PackedWeight:
     ndim = 2
 
     def unpack(self) -> jax.Array:
-        """The weight as [rows, K]."""
+        """The weight as [rows, K] (an int8 weight float32, times its scale)."""
         p, k, _ = self.panels.shape
-        return jnp.swapaxes(self.panels, 1, 2).reshape(p * PANEL, k)[:self.rows]
+        w = jnp.swapaxes(self.panels, 1, 2).reshape(p * PANEL, k)[:self.rows]
+        return w if self.scale is None else w.astype(jnp.float32) * self.scale[:self.rows, None]
 
 
 def pack_weight(w) -> PackedWeight:
@@ -158,8 +183,11 @@ def pack_weight(w) -> PackedWeight:
         return w
     n, k = w.shape
     pad = -n % PANEL
-    w = jnp.pad(w, ((0, pad), (0, 0))) if pad else jnp.asarray(w)
-    return PackedWeight(jnp.swapaxes(w.reshape(-1, PANEL, k), 1, 2), n)
+    # a NumPy weight is packed in NumPy: a constant in a trace, not a transpose run every call
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = xp.pad(w, ((0, pad), (0, 0))) if pad else xp.asarray(w)
+    panels = xp.swapaxes(w.reshape(-1, PANEL, k), 1, 2)
+    return PackedWeight(np.ascontiguousarray(panels) if xp is np else panels, n)
 
 
 def take_rows(w, ids):
@@ -167,7 +195,8 @@ def take_rows(w, ids):
     embeddings, a draft vocabulary's head rows)."""
     if isinstance(w, PackedWeight):
         ids = jnp.asarray(ids)
-        return w.panels[ids // PANEL, :, ids % PANEL]
+        rows = w.panels[ids // PANEL, :, ids % PANEL]
+        return rows if w.scale is None else rows.astype(jnp.float32) * w.scale[ids][..., None]
     return w[ids]
 
 
@@ -198,14 +227,15 @@ def unpack_params(params):
             **{k: as_array(params[k]) for k in ("embed", "lm_head") if k in params}}
 
 
-def _xla_rows(rows, x, panels):
-    w = PackedWeight(panels, rows).unpack()
+def _xla_rows(rows, x, panels, scale=None):
+    w = PackedWeight(panels, rows, scale).unpack()
     return jax.lax.dot_general(x, w.astype(jnp.float32), (((1,), (1,)), ((), ())))
 
 
-def _ffi_rows(rows, x, panels):
+def _ffi_rows(rows, x, panels, scale=None):
     out = jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[panels.dtype], out, vmap_method="sequential")(x, panels)
+    args = (x, panels) if scale is None else (x, panels, scale)
+    return jax.ffi.ffi_call(TARGETS[panels.dtype], out, vmap_method="sequential")(*args)
 
 
 def rows_matmul(x, w):
@@ -217,7 +247,8 @@ def rows_matmul(x, w):
 
 @jax.custom_vjp
 def _packed_rows(x, w: PackedWeight):
-    return jax.lax.platform_dependent(x, w.panels, cpu=functools.partial(_ffi_rows, w.rows),
+    args = (x, w.panels) if w.scale is None else (x, w.panels, w.scale)
+    return jax.lax.platform_dependent(*args, cpu=functools.partial(_ffi_rows, w.rows),
                                       default=functools.partial(_xla_rows, w.rows))
 
 
@@ -227,6 +258,8 @@ def _fwd(x, w):
 
 def _bwd(res, g):
     x, w = res
+    if w.scale is not None:
+        raise TypeError("products with an int8 PackedWeight are not differentiable")
     dw = pack_weight((g.T @ x).astype(w.dtype))
     return g @ w.unpack().astype(jnp.float32), dw
 

@@ -25,6 +25,7 @@ HEADERS = tuple(sorted(_DIR.glob("*.h")))
 # FFI target name -> handler symbol in the library.
 TARGETS = {"specjax_rows_matmul": "SpecjaxRowsMatmul",
            "specjax_rows_matmul_f16": "SpecjaxRowsMatmulF16",
+           "specjax_rows_matmul_s8": "SpecjaxRowsMatmulS8",
            "specjax_paged_attention": "SpecjaxPagedAttention"}
 
 

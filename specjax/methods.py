@@ -196,7 +196,7 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
            draft_vocab: int | None = None, min_prob: float | None = None):
     """EAGLE-1 (static tree, `eagle_choices`), EAGLE-2 (dynamic tree) over EAGLE heads, or
     EAGLE-3 (dynamic tree) over EAGLE-3 heads; min_prob: the draft-confidence floor."""
-    from specjax.cpu_matmul import half_weights
+    from specjax.cpu_matmul import draft_weights
     from specjax.model import lm_head_weight
     from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
 
@@ -235,14 +235,14 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
         except ValueError as e:
             raise MethodError(str(e)) from None
     # the fc as `linear` takes it ([D, 2D], EAGLE-3 [D, 3D]), and the draft's own products in
-    # float16 on the CPU kernel (the target's embedding stays)
+    # the draft weights type on the CPU kernel (`draft_weights`; the target's embedding stays)
     params["net"]["fc"] = {**params["net"]["fc"], "weight": params["net"]["fc"]["kernel"].T}
     del params["net"]["fc"]["kernel"]
     own = ("layers", "fc", "lm_head") if method == "eagle3" else ("layers", "fc")
-    params["net"] = {**params["net"], **half_weights(
+    params["net"] = {**params["net"], **draft_weights(
         {k: v for k, v in params["net"].items() if k in own})}
     if "lm_head" in params and method != "eagle3":
-        params["lm_head"] = half_weights(params["lm_head"])
+        params["lm_head"] = draft_weights(params["lm_head"])
     given = {k: v for k, v in tree_options.items() if v is not None}
     if min_prob is not None:
         network["min_prob"] = float(min_prob)
@@ -301,8 +301,8 @@ def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshol
             raise MethodError(f"{heads} drafts from {ids.shape[0]} tokens, fewer than the "
                               f"tree's top-{proposer.top_k}")
         params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids, None)
-    if not proposer.own_lm_head:  # the heads' shared product in float16 on the CPU kernel
-        from specjax.cpu_matmul import half_weights
+    if not proposer.own_lm_head:  # the heads' shared product in the draft weights type
+        from specjax.cpu_matmul import draft_weights
 
-        params["lm_head"] = half_weights(params["lm_head"])
+        params["lm_head"] = draft_weights(params["lm_head"])
     return proposer, params

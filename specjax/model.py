@@ -54,7 +54,7 @@ def row_sums(x):
     every row alike (`specjax.cpu_matmul`); elsewhere (prefill, GPU) XLA's sum.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    ones = jnp.ones((1, x.shape[-1]), x2.dtype)
+    ones = np.ones((1, x.shape[-1]), x2.dtype)
     if kernel_applies(x2, ones):
         return rows_matmul(x2, ones).reshape(*x.shape[:-1], 1)
     return jnp.sum(x, axis=-1, keepdims=True)

@@ -219,19 +219,21 @@ def test_packed_model_decodes_bit_for_bit_as_the_plain_one(tied):
 
 
 @needs_kernel
-def test_half_weights_packs_draft_matrices_in_float16():
-    """A draft network's matrices, plain or packed, come packed in float16 (or packed float32
-    with SPECJAX_DRAFT_WEIGHTS=float32); vectors stay; nothing changes without the kernel."""
-    from specjax.cpu_matmul import PackedWeight, half_weights, pack_weight, use_draft_weights
+def test_draft_weights_packs_draft_matrices_in_float16():
+    """A draft network's matrices, plain or packed, come packed in float16 with
+    SPECJAX_DRAFT_WEIGHTS=float16 (float32 with float32); vectors stay; nothing changes without
+    the kernel."""
+    from specjax.cpu_matmul import PackedWeight, draft_weights, pack_weight, use_draft_weights
 
     rng = np.random.default_rng(8)
     tree = {"w": jnp.asarray(rng.standard_normal((40, 16)).astype(np.float32)),
             "p": pack_weight(jnp.asarray(rng.standard_normal((33, 16)).astype(np.float32))),
             "b": jnp.zeros((16,))}
     with use_cpu_matmul("kernel"):
-        half = half_weights(tree)
+        with use_draft_weights("float16"):
+            half = draft_weights(tree)
         with use_draft_weights("float32"):
-            full = half_weights(tree)
+            full = draft_weights(tree)
     for name in ("w", "p"):
         assert isinstance(half[name], PackedWeight) and half[name].dtype == jnp.float16
         assert isinstance(full[name], PackedWeight) and full[name].dtype == jnp.float32
@@ -239,7 +241,42 @@ def test_half_weights_packs_draft_matrices_in_float16():
     np.testing.assert_array_equal(full["p"].unpack(), tree["p"].unpack())
     assert half["b"] is tree["b"]
     with use_cpu_matmul("xla"):
-        assert half_weights(tree) is tree
+        assert draft_weights(tree) is tree
+
+
+@needs_kernel
+def test_int8_weights_multiply_as_their_scaled_rows_and_alone():
+    """An int8 weight (`int8_weight`, SPECJAX_DRAFT_WEIGHTS=int8): rounded per row within half a
+    step of its scale, products equal to the float32 product of the scaled rows (the kernel and
+    XLA's fallback), each row bit-identical whatever the row count; rows looked up scaled."""
+    from specjax.cpu_matmul import PackedWeight, draft_weights, int8_weight, take_rows, \
+        use_draft_weights
+
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((203, 45)).astype(np.float32)
+    w[7] = 0.0  # an all-zero row keeps a finite scale
+    q = int8_weight(w)
+    assert q.dtype == jnp.int8 and q.scale.shape == (224,)
+    deq = np.asarray(q.unpack())
+    step = np.abs(w).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(deq - w) <= step / 2 + 1e-7) and np.all(deq[7] == 0)
+    np.testing.assert_array_equal(take_rows(q, jnp.array([[3, 7], [202, 0]])),
+                                  deq[[[3, 7], [202, 0]]])
+    x = rng.standard_normal((20, 45)).astype(np.float32)
+    with use_cpu_matmul("kernel"):
+        f = jax.jit(linear)
+        assert TARGET + "_s8" in _hlo(linear, jnp.zeros((3, 45)), q)
+        alone = np.stack([np.asarray(f(x[i:i + 1], q))[0] for i in range(20)])
+        for m in (2, 9, 14, 15, 20):
+            np.testing.assert_array_equal(np.asarray(f(x[:m], q)), alone[:m])
+        with use_draft_weights("int8"):
+            packed = draft_weights({"w": jnp.asarray(w)})["w"]
+    np.testing.assert_allclose(alone, x @ deq.T, rtol=2e-5, atol=2e-4)
+    assert isinstance(packed, PackedWeight) and packed.dtype == jnp.int8
+    np.testing.assert_array_equal(packed.unpack(), deq)
+    with use_cpu_matmul("xla"):
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, q)), x @ deq.T, rtol=2e-5,
+                                   atol=2e-4)
 
 
 @needs_kernel

@@ -188,17 +188,16 @@ def test_heads_recommend_decoding_defaults(eagle_dir, tmp_path, tiny_llama):
     assert p.tree_size == 26
 
 
-def test_draft_weights_are_float16_on_the_cpu_kernel_and_output_stays_vanilla(eagle_dir,
-                                                                               tmp_path,
-                                                                               tiny_llama):
+def test_draft_weights_take_their_setting_on_the_cpu_kernel_and_output_stays_vanilla(
+        eagle_dir, tmp_path, tiny_llama):
     """On the CPU matmul kernel the draft's own matrices (fc, layers, its lm_head rows) are
-    float16 (half the bytes per draft pass) and packed for it; SPECJAX_DRAFT_WEIGHTS=float32
-    keeps them float32.
+    packed for it in the draft weights setting's type (auto: DRAFT_AUTO; float32, float16 or
+    int8: fewer bytes per draft pass).
     Either way the target's embedding is untouched and greedy output equals vanilla."""
     import jax
 
     from specjax import Engine, load_model
-    from specjax.cpu_matmul import PackedWeight, kernel_in_use, use_draft_weights
+    from specjax.cpu_matmul import DRAFT_AUTO, PackedWeight, kernel_in_use, use_draft_weights
     from specjax.methods import make_proposer
 
     d, _, _, _ = eagle_dir
@@ -207,8 +206,9 @@ def test_draft_weights_are_float16_on_the_cpu_kernel_and_output_stays_vanilla(ea
     prompts = [[3, 17, 42, 5, 9], [11, 2, 7]]
     eng = Engine(model.params, model.config, num_pages=64, page_size=4)
     vanilla = eng.generate(prompts, 12, eos_token_ids=()).token_ids
-    half = jnp.float16 if kernel_in_use() else jnp.float32
-    for setting, want in (("auto", half), ("float32", jnp.float32)):
+    on = lambda dtype: dtype if kernel_in_use() else jnp.float32  # noqa: E731
+    for setting, want in (("auto", on(DRAFT_AUTO)), ("float32", jnp.float32),
+                          ("float16", on(jnp.float16)), ("int8", on(jnp.int8))):
         with use_draft_weights(setting):
             p, params = make_proposer("eagle2", model, heads=str(out), eagle_total_tokens=6,
                                       eagle_depth=3, eagle_top_k=2)

@@ -12,9 +12,9 @@
 //
 // Every output is the sequential sum over k of fma(x[m, k], w[n, k], .), whatever M, the panel,
 // the pass, the thread split or the instruction set: a row's result does not depend on how many
-// rows share the pass. The weight is float32 or IEEE half (W = uint16_t), widened exactly in
-// registers: half the bytes to stream, and the same result as the float32 kernel given the
-// widened weight.
+// rows share the pass. The weight is float32, IEEE half (W = uint16_t) or int8 with a float32
+// scale per weight row (the sum times scale[n]), widened exactly in registers: a half or a
+// quarter of the bytes to stream (draft networks' weights).
 #include "simd.h"
 
 namespace ffi = xla::ffi;
@@ -35,10 +35,10 @@ constexpr int64_t kPassRows = 14;
 constexpr int64_t kPassRows = 6;
 #endif
 
-// Panels [q0, q1) of y for M input rows.
+// Panels [q0, q1) of y for M input rows (times scale[n] if scale is not null).
 template <typename W, int M>
-void panels(const float* x, const W* p, float* y, int64_t K, int64_t N, int64_t q0,
-            int64_t q1) {
+void panels(const float* x, const W* p, const float* scale, float* y, int64_t K, int64_t N,
+            int64_t q0, int64_t q1) {
   constexpr int64_t kBytes = kGroup * kLanes * sizeof(W);  // what one k reads of a group
   for (int64_t q = q0; q < q1; ++q) {
     for (int g = 0; g < kGroups; ++g) {
@@ -49,7 +49,8 @@ void panels(const float* x, const W* p, float* y, int64_t K, int64_t N, int64_t 
       for (int64_t k = 0; k < K; ++k, pw += kPanel) {
         Vec w0 = vload(pw), w1 = vload(pw + kLanes);
         const char* ahead = reinterpret_cast<const char*>(pw) + kAhead;
-        for (int64_t b = 0; b < kBytes; b += 64) prefetch_l2(ahead + b);
+        if (kBytes >= 64 || k % (64 / kBytes) == 0)  // a line per 64 bytes (int8: every other k)
+          for (int64_t b = 0; b < std::max<int64_t>(kBytes, 64); b += 64) prefetch_l2(ahead + b);
         for (int m = 0; m < M; ++m) {
           Vec xv = vset1(x[m * K + k]);
           acc[0][m] = vfma(w0, xv, acc[0][m]);
@@ -60,6 +61,10 @@ void panels(const float* x, const W* p, float* y, int64_t K, int64_t N, int64_t 
       for (int j = 0; j < kGroup; ++j) {
         const int64_t nj = n + j * kLanes, valid = std::min<int64_t>(kLanes, N - nj);
         if (valid <= 0) break;
+        if (scale != nullptr) {  // padded to whole panels
+          const Vec sv = vload(scale + nj);
+          for (int m = 0; m < M; ++m) acc[j][m] = vmul(acc[j][m], sv);
+        }
         for (int m = 0; m < M; ++m) {
           if (valid == kLanes) {
             vstore(y + m * N + nj, acc[j][m]);
@@ -75,7 +80,8 @@ void panels(const float* x, const W* p, float* y, int64_t K, int64_t N, int64_t 
 }
 
 template <typename W>
-using PanelFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
+using PanelFn = void (*)(const float*, const W*, const float*, float*, int64_t, int64_t, int64_t,
+                         int64_t);
 
 template <typename W, int... Ms>
 constexpr PanelFn<W> kFns[] = {panels<W, Ms>...};
@@ -92,8 +98,8 @@ PanelFn<W> pick(int64_t m) {
 // Outputs in chunks of 3 panels (96 rows) over the threads; input rows in as few passes of at
 // most kPassRows as possible, of equal size, the later passes reading the chunk from cache.
 template <ffi::DataType WT>
-ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> p,
-                      ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error RowsMatmulScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> p,
+                            const float* scale, ffi::ResultBuffer<ffi::F32> y) {
   using W = ffi::NativeType<WT>;
   auto xd = x.dimensions(), pd = p.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || xd[1] != pd[1] ||
@@ -110,11 +116,25 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     const int64_t passes = (M + kPassRows - 1) / kPassRows;
     for (int64_t s = 0, m0 = 0; s < passes; ++s) {
       const int64_t rows = (M - m0) / (passes - s);  // what is left, shared by the passes left
-      pick<W>(rows)(xp + m0 * K, pp, yp + m0 * N, K, N, q0, q1);
+      pick<W>(rows)(xp + m0 * K, pp, scale, yp + m0 * N, K, N, q0, q1);
       m0 += rows;
     }
   });
   return ffi::Error::Success();
+}
+
+template <ffi::DataType WT>
+ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> p,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return RowsMatmulScaled<WT>(pool, x, p, nullptr, y);
+}
+
+ffi::Error RowsMatmulS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> p,
+                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto sd = scale.dimensions(), pd = p.dimensions();
+  if (sd.size() != 1 || pd.size() != 3 || sd[0] != pd[0] * kPanel)
+    return ffi::Error::InvalidArgument("rows_matmul: expected scale [32 * panels]");
+  return RowsMatmulScaled<ffi::S8>(pool, x, p, scale.typed_data(), y);
 }
 
 }  // namespace
@@ -131,4 +151,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsMatmulF16, RowsMatmul<ffi::F16>,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsMatmulS8, RowsMatmulS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

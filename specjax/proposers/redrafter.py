@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.draft_tree import DraftTree
-from specjax.cpu_matmul import half_weights, take_rows
+from specjax.cpu_matmul import draft_weights, take_rows
 from specjax.model import head_logits
 from specjax.sampling import kth_largest
 
@@ -336,6 +336,7 @@ def make_redrafter(target, heads, *, num_beams: int = 5, draft_len_per_beam: int
     dtype = target.params["embed"].dtype
     drafter = jax.tree_util.tree_map(  # integer id maps keep their type
         lambda a: jnp.asarray(a, dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, drafter)
-    # the drafter's vocabulary head in float16 on the CPU kernel (its [in, out] layers stay)
-    drafter["lm_head"] = half_weights(drafter["lm_head"])
+    # the drafter's vocabulary head in the draft weights type on the CPU kernel (its [in, out]
+    # layers stay)
+    drafter["lm_head"] = draft_weights(drafter["lm_head"])
     return proposer, {"drafter": drafter, "embed": target.params["embed"]}
