@@ -77,8 +77,13 @@ def _follow(tree: DraftTree, ok, draws) -> AcceptResult:
 
 def accept_match(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
     """The `match` rule over any tree (greedy when sampling.greedy); keys: one per sequence."""
+    return accept_draws(tree, _node_draws(logits, keys, sampling))
+
+
+def accept_draws(tree: DraftTree, y) -> AcceptResult:
+    """The `match` rule given the target's draw y int32[B, T] at every node (its argmax when
+    greedy: `verify_pruned_kv(..., greedy_draws=True)` returns them)."""
     b, t = tree.tokens.shape
-    y = _node_draws(logits, keys, sampling)  # [B, T]
     parent = jnp.clip(tree.parent, 0, t - 1)
     parent_y = jnp.take_along_axis(y, parent, axis=1)
     ok = acceptable_nodes(tree)

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.accept import AcceptResult, accept
+from specjax.accept import AcceptResult, accept, accept_draws
 from specjax.cache import PagedKVCache
 from specjax.commit import commit
 from specjax.config import ModelConfig
 from specjax.draft_tree import DraftTree
-from specjax.sampling import SamplingConfig
+from specjax.sampling import SamplingConfig, argmax_last
 from specjax.verify import verify_pruned_kv
 
 
@@ -38,9 +38,9 @@ class SpecContext:
     # In init(): the target's hidden states [B, W, D] of prompt[:, :W] (prefix reuse is off for
     # proposers that set `needs_prompt_features`).
     prompt_hidden: jax.Array | None = None
-    # In update(): the target's logits [B, T, V] at every node of the verified tree (Lookahead
-    # reads its Jacobi window's next iterate from them; zeros past verify_pruned's width).
-    logits: jax.Array | None = None
+    # In update(): the target's greedy choice (argmax) int32[B, T] at every node of the verified
+    # tree (Lookahead reads its Jacobi window's next iterate from it; 0 past verify's width).
+    node_argmax: jax.Array | None = None
 
 
 class Proposer(Protocol):
@@ -124,12 +124,17 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
         tree, pstate = proposer.propose(proposer_params, state.proposer_state, ctx,
                                         _step_keys(state.keys, state.lengths, 1), sampling)
     with jax.named_scope("verify"):
-        logits, hidden, cache, new_kv = verify_pruned_kv(
+        # greedy: each node's argmax, taken inside the verify pass over the nodes it verifies
+        scores, hidden, cache, new_kv = verify_pruned_kv(
             params, config, state.cache, tree, getattr(proposer, "feature_layers", ()),
-            getattr(proposer, "likely_widths", ()))
+            getattr(proposer, "likely_widths", ()), greedy_draws=sampling.greedy)
     with jax.named_scope("accept"):
-        result = accept(tree, logits, _step_keys(state.keys, state.lengths, 2), sampling,
-                        proposer.rule, **getattr(proposer, "rule_options", {}))
+        if sampling.greedy:
+            result, node_argmax = accept_draws(tree, scores), scores
+        else:
+            result = accept(tree, scores, _step_keys(state.keys, state.lengths, 2), sampling,
+                            proposer.rule, **getattr(proposer, "rule_options", {}))
+            node_argmax = argmax_last(scores)  # left out by XLA unless a proposer reads it
     # No accepted path runs deeper than the proposer's trees: the phases below read that many.
     path = result.path[:, :min(getattr(proposer, "max_path_len", tree.size), tree.size)]
     with jax.named_scope("commit"):
@@ -157,7 +162,8 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     best_hidden = jnp.take_along_axis(hidden, best[:, None, None], axis=1)[:, 0]
     features = jnp.where(active[:, None], best_hidden.astype(state.features.dtype), state.features)
     path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
-    new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden, logits=logits)
+    new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden,
+                          node_argmax=node_argmax)
     with jax.named_scope("update"):
         pstate = proposer.update(proposer_params, pstate, new_ctx, result.replace(path=path),
                                  active)

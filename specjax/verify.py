@@ -13,6 +13,7 @@ from specjax.config import ModelConfig
 from specjax.cpu_matmul import kernel_in_use
 from specjax.draft_tree import DraftTree, ancestor_mask, tree_positions
 from specjax.model import ForwardOutput, forward, write_new_kv
+from specjax.sampling import argmax_last
 
 
 class NodeKV(NamedTuple):
@@ -87,7 +88,8 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
 
 
 def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
-                     feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = ()):
+                     feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = (),
+                     greedy_draws: bool = False):
     """`verify`, run only as wide as the batch's last valid node needs.
 
     A verify of T tokens costs up to ~2x a single-token pass on a CPU (small matrix products
@@ -101,6 +103,8 @@ def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: Dra
     features) instead of the final normed state. `likely_widths`: numbers of leading
     nodes that are often all the valid ones (a proposer's `likely_widths`, e.g. the learned tree
     without the prompt-lookup graft), verified at exactly that width when they are.
+    `greedy_draws`: instead of the logits, each node's argmax int32[B, T] (0 past the width),
+    taken over the verified nodes' rows only, and no [B, T, V] array is padded or returned.
     """
     b, t = tree.tokens.shape
     widths = verify_widths(t, likely_widths)
@@ -117,7 +121,8 @@ def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: Dra
             out = verify(params, config, cache, _resize(tree, w), hidden_layers=feature_layers,
                          defer_kv_write=defer, written=written)
             hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
-            outs = (_to_width(out.logits, t), _to_width(hidden, t))
+            scores = argmax_last(out.logits) if greedy_draws else out.logits
+            outs = (_to_width(scores, t), _to_width(hidden, t))
             if not defer:
                 return outs + (out.cache,)
             return outs + (jax.tree_util.tree_map(lambda a: _to_width(a, t), out.new_kv),)

@@ -304,10 +304,10 @@ def test_init_fills_pool_with_prompt_ngrams_and_update_with_text_and_window():
     _, state = prop.propose(None, state, ctx, None, None)
     state = state.replace(window=jnp.asarray([[[0, 21], [30, 31]]]), updates=jnp.asarray([1]))
     toks[0, 6:8] = [7, 8]
-    logits = np.zeros((1, prop.tree_size, CFG.vocab_size), np.float32)
-    logits[0, 2, 50] = logits[0, 3, 51] = 1.0  # top level (k = 1) predicts 50, 51
+    node_argmax = np.zeros((1, prop.tree_size), np.int32)
+    node_argmax[0, 2], node_argmax[0, 3] = 50, 51  # top level (k = 1) predicts 50, 51
     ctx2 = SpecContext(jnp.asarray(toks), jnp.asarray([8]), jnp.zeros((1, 1), jnp.int32),
-                       logits=jnp.asarray(logits))
+                       node_argmax=jnp.asarray(node_argmax))
     res = AcceptResult(jnp.zeros((1, prop.tree_size), jnp.int32), jnp.asarray([1]),
                        jnp.asarray([8]))
     new = prop.update(None, state, ctx2, res, jnp.asarray([True]))

@@ -579,6 +579,22 @@ def test_commit_from_unwritten_node_kv_equals_commit_after_writing(target):
             np.testing.assert_array_equal(got[:, i, :n], want[:, i, :n])
 
 
+def test_greedy_draws_are_the_argmax_of_the_verified_logits(target):
+    """`verify_pruned_kv(..., greedy_draws=True)` (greedy steps) gives each node's argmax of the
+    logits the plain pass returns, 0 past the verified width, and the same hidden states."""
+    from specjax.verify import verify_pruned_kv
+
+    valid = np.array([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0]], bool)  # verified 4 wide
+    cache, tree = _two_prefilled_trees(target, valid)
+    logits, hidden, _, _ = verify_pruned_kv(target, CFG, cache, tree)
+    draws, hidden2, _, _ = verify_pruned_kv(target, CFG, cache, tree, greedy_draws=True)
+    assert draws.dtype == jnp.int32 and draws.shape == tree.tokens.shape
+    np.testing.assert_array_equal(draws[:, :4], np.argmax(logits, -1)[:, :4])
+    np.testing.assert_array_equal(draws[:, 4:], 0)
+    assert len(set(np.asarray(draws[:, :4]).ravel().tolist())) > 1  # not a constant
+    np.testing.assert_array_equal(hidden2, hidden)
+
+
 @pytest.mark.parametrize("backend", ["xla", "written"])
 def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
     """A whole 7-node tree is verified padded to 8 nodes: its logits, features and pools equal

@@ -18,7 +18,7 @@ Each step verifies one tree with two branches under the pending token (the root)
   into a prefix tree (TensorRT-LLM merges shared prefixes too) and packed after the window.
 
 Acceptance follows only verification nodes (`DraftTree.acceptable`), so the window's K/V is
-never committed; the window reads its next iterate from the step's logits (`SpecContext.logits`).
+never committed; the window reads its next iterate from the step's argmax (`SpecContext.node_argmax`).
 `accept_window=True` (off by default, not in the references) also lets acceptance follow the
 window's two chains from the root, column 0's levels and level 0's columns: each cell there
 attends to exactly the chain above it at its true position, so an accepted cell is an ordinary
@@ -280,8 +280,7 @@ class LookaheadProposer:
         b = ctx.tokens.shape[0]
         n, w = self.max_ngram_size, self.max_window_size
         # The target's next iterate at the window's top level.
-        top_logits = ctx.logits[:, (n - 2) * w:(n - 1) * w]
-        top = jnp.argmax(top_logits, axis=-1).astype(jnp.int32)  # [B, W]
+        top = ctx.node_argmax[:, (n - 2) * w:(n - 1) * w]  # [B, W]
         old = state.window.at[:, 0, 0].set(state.root)
         # Column j's n-gram: level 0 (the key), levels 1..N-2, then the new prediction.
         win_keys = old[:, 0, :]
