@@ -14,8 +14,9 @@ XLA FFI custom call. Chosen when a function is traced:
 - `SPECJAX_CPU_MATMUL` = `auto` (default) | `kernel` | `xla`; `use_cpu_matmul(name)` overrides
   it inside a `with` block.
 - `auto` uses the kernel for float32 rows times float32, float16 or int8 weights (widened
-  exactly in registers: a float16 weight streams half the bytes, an int8 one a quarter), at most `MAX_ROWS` rows of a plain weight
-  and any number of a packed one, when the process has a single device (a custom call cannot be
+  exactly in registers: a float16 weight streams half the bytes, an int8 one a quarter), at
+  most `MAX_ROWS` rows of a plain weight and any number of a packed one (int8 weights are
+  packed only, with their scales), when the process has a single device (a custom call cannot be
   split over a mesh by XLA's partitioner) on an x86-64 CPU with AVX2, FMA and F16C, and g++
   builds it; XLA's product otherwise. `kernel` raises instead of falling back when it cannot be
   built. Lowering for another platform (GPU export) always takes XLA's product.
@@ -37,7 +38,7 @@ from specjax.cpu_native import register, unsupported_reason  # noqa: F401 (re-ex
 
 ENV_VAR = "SPECJAX_CPU_MATMUL"
 SETTINGS = ("auto", "kernel", "xla")
-TARGET = "specjax_rows_matmul"  # the float32-weight target; the float16 one adds "_f16"
+TARGET = "specjax_rows_matmul"  # the float32-weight target; float16 adds "_f16", int8 "_s8"
 TARGETS = {jnp.dtype(jnp.float32): TARGET,
            jnp.dtype(jnp.float16): "specjax_rows_matmul_f16",
            jnp.dtype(jnp.int8): "specjax_rows_matmul_s8"}
