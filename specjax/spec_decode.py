@@ -39,7 +39,8 @@ class SpecContext:
     # proposers that set `needs_prompt_features`).
     prompt_hidden: jax.Array | None = None
     # In update(): the target's greedy choice (argmax) int32[B, T] at every node of the verified
-    # tree (Lookahead reads its Jacobi window's next iterate from it; 0 past verify's width).
+    # tree (Lookahead reads its Jacobi window's next iterate from it; 0 past verify's width and,
+    # when sampling, outside the proposer's `argmax_nodes`).
     node_argmax: jax.Array | None = None
 
 
@@ -53,7 +54,9 @@ class Proposer(Protocol):
     `tree_size`), `likely_widths` (numbers of leading nodes that are often the only valid ones,
     verified at exactly that width: see `verify_pruned`), `max_path_len` (nodes on the longest
     root path any tree may have, root included, when fewer than `tree_size`: commit and update
-    then read only that many; a wrapper that lengthens paths must say its own).
+    then read only that many; a wrapper that lengthens paths must say its own), `argmax_nodes`
+    ((lo, hi): the only nodes whose `SpecContext.node_argmax` update() reads, so sampled steps
+    take the argmax of those rows alone).
     """
 
     tree_size: int  # T, nodes per draft tree (root included)
@@ -134,7 +137,10 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
         else:
             result = accept(tree, scores, _step_keys(state.keys, state.lengths, 2), sampling,
                             proposer.rule, **getattr(proposer, "rule_options", {}))
-            node_argmax = argmax_last(scores)  # left out by XLA unless a proposer reads it
+            # left out by XLA unless a proposer reads it; then only the rows it says it reads
+            lo, hi = getattr(proposer, "argmax_nodes", (0, tree.size))
+            node_argmax = jnp.zeros(scores.shape[:2], jnp.int32).at[:, lo:hi].set(
+                argmax_last(scores[:, lo:hi]))
     # No accepted path runs deeper than the proposer's trees: the phases below read that many.
     path = result.path[:, :min(getattr(proposer, "max_path_len", tree.size), tree.size)]
     with jax.named_scope("commit"):

@@ -411,3 +411,34 @@ def test_engine_sampling_is_lossless(accept_window):
     assert np.mean(np.asarray(steps) == 1) > 0.01  # some drafts were accepted
     assert chi2_pvalue(np.asarray(first), np.asarray(second),
                        exact_first_two(table, sampling)) > P_OK
+
+
+def test_sampled_steps_argmax_only_the_window_top_level(engine):
+    """Sampling: spec_step takes the argmax of the rows Lookahead names (`argmax_nodes`) alone.
+    The run equals one that argmaxes every node, and differs from one naming the wrong rows
+    (so the window does read those rows)."""
+    import dataclasses
+
+    from specjax import SamplingConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Rows(LookaheadProposer):
+        rows: tuple = None
+
+        @property
+        def argmax_nodes(self):
+            return self.rows
+
+    base = LookaheadProposer(3, 3, 2)
+    lo, hi = base.argmax_nodes
+    assert (lo, hi) == (3, 6)  # level k = 1 of a 3-wide window
+    sampling = SamplingConfig(temperature=0.2)
+
+    def run(proposer):
+        out = engine.generate([REPETITIVE] + PROMPTS, N_NEW, sampling=sampling,
+                              seeds=[0, 1, 2, 3], eos_token_ids=NO_EOS, proposer=proposer)
+        return out.token_ids, out.steps
+
+    named = run(base)
+    assert named == run(Rows(3, 3, 2, rows=(0, base.tree_size)))
+    assert named != run(Rows(3, 3, 2, rows=(0, lo)))

@@ -246,6 +246,18 @@ class LookaheadProposer:
         return (self.max_window_size + self.max_verification_set_size) * (self.max_ngram_size - 1)
 
     @property
+    def top_level_nodes(self) -> tuple[int, int]:
+        """(first, past-the-last) node of the window's top level, whose argmaxes are the
+        window's next iterate."""
+        n, w = self.max_ngram_size, self.max_window_size
+        return (n - 2) * w, (n - 1) * w
+
+    @property
+    def argmax_nodes(self) -> tuple[int, int]:
+        """The only nodes whose argmax update() reads (see Proposer)."""
+        return self.top_level_nodes
+
+    @property
     def span(self) -> int:
         """Positions past the pending token's that the tree reaches, plus one."""
         return max(self.max_window_size + self.max_ngram_size - 2, self.max_ngram_size)
@@ -280,7 +292,8 @@ class LookaheadProposer:
         b = ctx.tokens.shape[0]
         n, w = self.max_ngram_size, self.max_window_size
         # The target's next iterate at the window's top level.
-        top = ctx.node_argmax[:, (n - 2) * w:(n - 1) * w]  # [B, W]
+        lo, hi = self.top_level_nodes
+        top = ctx.node_argmax[:, lo:hi]  # [B, W]
         old = state.window.at[:, 0, 0].set(state.root)
         # Column j's n-gram: level 0 (the key), levels 1..N-2, then the new prediction.
         win_keys = old[:, 0, :]
