@@ -40,8 +40,9 @@ from specjax.cli import encode_prompt
 from specjax.commit import commit
 from specjax.generate import bucket, prefill
 from specjax.methods import make_proposer
-from specjax.sampling import SamplingConfig, argmax_last
-from specjax.spec_decode import SpecContext, appended_tokens, init_proposer, scratch_slots
+from specjax.sampling import SamplingConfig
+from specjax.spec_decode import (SpecContext, appended_tokens, init_proposer, nodes_argmax,
+                                 scratch_slots)
 from specjax.verify import verify_pruned
 
 SMOKE = os.environ.get("SPECJAX_EXAMPLES_SMOKE") == "1"
@@ -146,7 +147,7 @@ def decode(params, config, proposer, drafter_params, sampling, carry: Carry, sto
         features = jnp.where(active[:, None], hidden[rows, deepest], c.features)
         path_hidden = jnp.take_along_axis(hidden, result.path[:, :, None], axis=1)
         ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden,
-                          node_argmax=argmax_last(logits))  # what Lookahead's window reads
+                          node_argmax=nodes_argmax(proposer, logits))  # Lookahead reads it
         drafter = proposer.update(drafter_params, drafter, ctx, result, active)
 
         # Our metric, kept in the carry: how many drafted tokens each step accepted.

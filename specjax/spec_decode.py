@@ -107,6 +107,13 @@ def _step_keys(keys, lengths, salt: int):
     return jax.vmap(lambda k, n: jax.random.fold_in(jax.random.fold_in(k, n), salt))(keys, lengths)
 
 
+def nodes_argmax(proposer, logits):
+    """SpecContext.node_argmax from verify's logits [B, T, V]: the argmax of the nodes the
+    proposer's update reads (`argmax_nodes`, default every node), 0 elsewhere."""
+    lo, hi = getattr(proposer, "argmax_nodes", (0, logits.shape[1]))
+    return jnp.zeros(logits.shape[:2], jnp.int32).at[:, lo:hi].set(argmax_last(logits[:, lo:hi]))
+
+
 def appended_tokens(tree: DraftTree, result: AcceptResult):
     """int32[B, T]: the accepted drafted tokens then the next token (first n + 1 entries)."""
     t = tree.size
@@ -137,10 +144,7 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
         else:
             result = accept(tree, scores, _step_keys(state.keys, state.lengths, 2), sampling,
                             proposer.rule, **getattr(proposer, "rule_options", {}))
-            # left out by XLA unless a proposer reads it; then only the rows it says it reads
-            lo, hi = getattr(proposer, "argmax_nodes", (0, tree.size))
-            node_argmax = jnp.zeros(scores.shape[:2], jnp.int32).at[:, lo:hi].set(
-                argmax_last(scores[:, lo:hi]))
+            node_argmax = nodes_argmax(proposer, scores)  # left out by XLA unless read
     # No accepted path runs deeper than the proposer's trees: the phases below read that many.
     path = result.path[:, :min(getattr(proposer, "max_path_len", tree.size), tree.size)]
     with jax.named_scope("commit"):
