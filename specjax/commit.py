@@ -36,14 +36,16 @@ def commit(cache: PagedKVCache, path, n_accepted, active, *, is_chain: bool = Fa
     src = start[:, None] + path
     dst = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     keep = active[:, None] & (jnp.arange(t)[None, :] <= n_accepted[:, None])
+    if new_kv is not None:  # the path's rows of every layer's [L, B, T', KVH, D], T' >= T
+        k_path = jnp.take_along_axis(new_kv.keys, path[None, :, :, None, None], axis=2)
+        v_path = jnp.take_along_axis(new_kv.values, path[None, :, :, None, None], axis=2)
     k_all, v_all = [], []
     for i, (k_pages, v_pages) in enumerate(zip(cache.k_pages, cache.v_pages)):
         if new_kv is None:
             k = _read_slots(k_pages, cache.block_tables, src)
             v = _read_slots(v_pages, cache.block_tables, src)
-        else:  # the path's rows of the verified nodes' [B, T', KVH, D], T' >= T
-            k = jnp.take_along_axis(new_kv.keys[i], path[:, :, None, None], axis=1)
-            v = jnp.take_along_axis(new_kv.values[i], path[:, :, None, None], axis=1)
+        else:
+            k, v = k_path[i], v_path[i]
         k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, dst, k, v, keep)
         k_all.append(k_pages)
         v_all.append(v_pages)

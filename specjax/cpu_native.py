@@ -1,8 +1,10 @@
 """Native CPU kernels (`cpu_kernels/*.cc`): built with the machine's g++ on first use, cached
 under `<specjax cache>/kernels`, and registered as XLA FFI custom calls.
 
-`specjax.cpu_matmul` (few-row matrix products) and `specjax.cpu_attention` (paged attention)
-decide when to call them; this module only knows whether they can run here and builds them.
+`specjax.cpu_matmul` (few-row matrix products), `specjax.cpu_attention` (paged attention),
+`specjax.cpu_activation` (an MLP's silu(gate) * up) and `specjax.cpu_top_k` (a draft's best
+tokens) decide when to call them; this module only knows whether they can run here and builds
+them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ HEADERS = tuple(sorted(_DIR.glob("*.h")))
 TARGETS = {"specjax_rows_matmul": "SpecjaxRowsMatmul",
            "specjax_rows_matmul_f16": "SpecjaxRowsMatmulF16",
            "specjax_rows_matmul_s8": "SpecjaxRowsMatmulS8",
-           "specjax_paged_attention": "SpecjaxPagedAttention"}
+           "specjax_paged_attention": "SpecjaxPagedAttention",
+           "specjax_top_log_probs": "SpecjaxTopLogProbs",
+           "specjax_swiglu": "SpecjaxSwiglu"}
 
 
 @lru_cache(maxsize=1)

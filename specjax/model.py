@@ -22,6 +22,7 @@ from kernels_pallas import (attention_backend, attention_with_new_rows, paged_at
 from specjax import cpu_attention
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.cpu_activation import swiglu
 from specjax.cpu_matmul import (MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul,
                                 take_rows)
 from specjax.rope import apply_rope, rope_cos_sin
@@ -112,8 +113,9 @@ def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
 
 
 def lm_head_weight(params):
-    """[vocab, hidden] output projection (the embedding when tied)."""
-    return params.get("lm_head", params["embed"])
+    """[vocab, hidden] output projection (the embedding when tied; packed for the CPU kernel as
+    `tied_head`, see `cpu_matmul.pack_params`)."""
+    return params.get("lm_head", params.get("tied_head", params["embed"]))
 
 
 def head_logits(x, w):
@@ -229,8 +231,7 @@ def _mlp_block(layer, config: ModelConfig, x):
         # more rows than the CPU kernel takes from a plain weight: XLA's product
         act = _gated_columns(h, layer["w_gate_up"])
     else:
-        gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
-        act = jax.nn.silu(gate) * up
+        act = swiglu(linear(h, layer["w_gate_up"]))
     return x + linear(act, layer["w_down"])
 
 

@@ -24,11 +24,6 @@ namespace {
 using namespace specjax_cpu;
 
 #if defined(__AVX512F__)
-// y where x >= bound, else 0.
-inline Vec vkeep_at_least(Vec y, Vec x, float bound) {
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_GE_OQ), y);
-}
-
 // r[j] = the sum of a[j]'s lanes, the same pairing for every j.
 inline Vec transpose_sum(Vec* a) {
   Vec b[8], c[4], d[2];
@@ -47,16 +42,7 @@ inline Vec transpose_sum(Vec* a) {
   return _mm512_permutexvar_ps(order, e);
 }
 
-inline Vec vexp2i(__m512i n) {  // 2^n for integer n in [-126, 127]
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
-}
-inline __m512i vround_int(Vec x) { return _mm512_cvtps_epi32(_mm512_roundscale_ps(x, 0)); }
-inline Vec vfloat(__m512i n) { return _mm512_cvtepi32_ps(n); }
 #else
-inline Vec vkeep_at_least(Vec y, Vec x, float bound) {
-  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_GE_OQ), y);
-}
-
 inline Vec transpose_sum(Vec* a) {
   Vec b[4], c[2];
   for (int i = 0; i < 4; ++i)
@@ -71,31 +57,7 @@ inline Vec transpose_sum(Vec* a) {
   return _mm256_permutevar8x32_ps(e, order);
 }
 
-inline Vec vexp2i(__m256i n) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
-}
-inline __m256i vround_int(Vec x) {
-  return _mm256_cvtps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline Vec vfloat(__m256i n) { return _mm256_cvtepi32_ps(n); }
 #endif
-
-// e^x for x <= 0 (a softmax's shifted scores): 2^n * p(r), r = x - n ln 2, |r| <= ln 2 / 2,
-// p the degree-6 Taylor polynomial (relative error < 2e-7); exactly 0 below -87 (and for -inf).
-inline Vec vexp(Vec x) {
-  Vec xc = vmax(x, vset1(-87.0f));
-  Vec n = vfloat(vround_int(vmul(xc, vset1(1.44269504088896341f))));
-  Vec r = vfma(n, vset1(-0.693145751953125f), xc);
-  r = vfma(n, vset1(-1.428606765330187e-06f), r);
-  Vec p = vset1(1.0f / 720);
-  p = vfma(p, r, vset1(1.0f / 120));
-  p = vfma(p, r, vset1(1.0f / 24));
-  p = vfma(p, r, vset1(1.0f / 6));
-  p = vfma(p, r, vset1(0.5f));
-  p = vfma(p, r, vset1(1.0f));
-  p = vfma(p, r, vset1(1.0f));
-  return vkeep_at_least(vmul(p, vexp2i(vround_int(n))), x, -87.0f);
-}
 
 // Head vectors are taken 64 floats (kVecs registers) at a time; head_dim is a multiple of 64.
 constexpr int kVecs = 64 / kLanes;

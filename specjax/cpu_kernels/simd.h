@@ -63,6 +63,55 @@ inline float vhmax(Vec v) {
 #error "specjax's CPU kernels need AVX2, FMA and F16C, or AVX-512"
 #endif
 
+#if defined(__AVX512F__)
+// y where x >= bound, else 0.
+inline Vec vkeep_at_least(Vec y, Vec x, float bound) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_GE_OQ), y);
+}
+
+inline Vec vexp2i(__m512i n) {  // 2^n for integer n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+}
+inline __m512i vround_int(Vec x) { return _mm512_cvtps_epi32(_mm512_roundscale_ps(x, 0)); }
+inline Vec vfloat(__m512i n) { return _mm512_cvtepi32_ps(n); }
+// Whether some lane of x is above bound.
+inline bool vany_above(Vec x, float bound) {
+  return _mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_GT_OQ) != 0;
+}
+#else
+inline Vec vkeep_at_least(Vec y, Vec x, float bound) {
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_GE_OQ), y);
+}
+
+inline Vec vexp2i(__m256i n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+inline __m256i vround_int(Vec x) {
+  return _mm256_cvtps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline Vec vfloat(__m256i n) { return _mm256_cvtepi32_ps(n); }
+inline bool vany_above(Vec x, float bound) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_GT_OQ)) != 0;
+}
+#endif
+
+// e^x for x <= 0 (a softmax's shifted scores): 2^n * p(r), r = x - n ln 2, |r| <= ln 2 / 2,
+// p the degree-6 Taylor polynomial (relative error < 2e-7); exactly 0 below -87 (and for -inf).
+inline Vec vexp(Vec x) {
+  Vec xc = vmax(x, vset1(-87.0f));
+  Vec n = vfloat(vround_int(vmul(xc, vset1(1.44269504088896341f))));
+  Vec r = vfma(n, vset1(-0.693145751953125f), xc);
+  r = vfma(n, vset1(-1.428606765330187e-06f), r);
+  Vec p = vset1(1.0f / 720);
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+  return vkeep_at_least(vmul(p, vexp2i(vround_int(n))), x, -87.0f);
+}
+
 template <typename T>
 inline void prefetch(const T* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);

@@ -38,6 +38,7 @@ from flax import struct
 
 from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
+from specjax.cpu_top_k import top_log_probs
 from specjax.draft_tree import DraftTree, chain, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
@@ -72,6 +73,12 @@ class _EagleBase:
     needs_prompt_features: bool = True
     min_prob: float = 0.0  # verify only drafts of cumulative draft probability >= this
 
+    @property
+    def likely_widths(self) -> tuple[int, ...]:
+        """Under a confidence floor a tree keeps a prefix of any length, so every width is
+        verified as it is (`verify_pruned`): a step pays only for the nodes it kept."""
+        return tuple(range(2, self.tree_size)) if self.min_prob > 0 else ()
+
     def __post_init__(self):
         check_confidence_floor(self.min_prob)
         if self.variant not in ("eagle", "eagle3"):
@@ -105,12 +112,11 @@ class _EagleBase:
             raise ValueError(f"the tree asks for the draft's top {k} tokens but its vocabulary "
                              f"has {rows}")
         if self.variant == "eagle3":
-            from specjax.proposers.eagle3_net import draft_to_target, eagle3_logprobs
+            from specjax.proposers.eagle3_net import draft_to_target, eagle3_logits
 
-            logp, ids = jax.lax.top_k(eagle3_logprobs(params["net"], self.config, hidden), k)
+            logp, ids = top_log_probs(eagle3_logits(params["net"], self.config, hidden), k)
             return logp, draft_to_target(params["net"], ids).astype(jnp.int32)
-        logp = jax.nn.log_softmax(eagle_logits(hidden, params["lm_head"]), axis=-1)
-        logp, ids = jax.lax.top_k(logp, k)
+        logp, ids = top_log_probs(eagle_logits(hidden, params["lm_head"]), k)
         if "draft_ids" in params:  # lm_head holds only these target ids' rows
             ids = params["draft_ids"][ids]
         return logp, ids.astype(jnp.int32)

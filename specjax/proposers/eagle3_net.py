@@ -102,10 +102,15 @@ def eagle3_forward(params, config: ModelConfig, embed, tokens, features, positio
     return x, cache.replace(k_pages=[k0], v_pages=[v0])
 
 
-def eagle3_logprobs(params, config: ModelConfig, hidden):
-    """float32 log-probabilities [.., draft_vocab] of draft hidden states (norm, own lm_head)."""
+def eagle3_logits(params, config: ModelConfig, hidden):
+    """float32 logits [.., draft_vocab] of draft hidden states (norm, own lm_head)."""
     h = rms_norm(hidden, params["norm"], config.rms_norm_eps)
-    return jax.nn.log_softmax(head_logits(h, params["lm_head"]), axis=-1)
+    return head_logits(h, params["lm_head"])
+
+
+def eagle3_logprobs(params, config: ModelConfig, hidden):
+    """float32 log-probabilities [.., draft_vocab] of draft hidden states."""
+    return jax.nn.log_softmax(eagle3_logits(params, config, hidden), axis=-1)
 
 
 def draft_to_target(params, draft_ids):
