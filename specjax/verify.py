@@ -60,22 +60,20 @@ def verify_widths(tree_size: int, likely: Sequence[int] = ()) -> tuple[int, ...]
                         | {padded_width(w) for w in likely if 1 <= w < tree_size}))
 
 
-def _to_width(x, w: int, value=0):
-    """x [B, T, ...] cut or padded with `value` along axis 1 to w entries."""
-    t = x.shape[1]
+def _to_width(x, w: int, value=0, axis: int = 1):
+    """x [B, T, ...] cut or padded with `value` along `axis` (T's) to w entries."""
+    t = x.shape[axis]
     if w <= t:
-        return x[:, :w]
-    return jnp.pad(x, ((0, 0), (0, w - t)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
+        return jax.lax.slice_in_dim(x, 0, w, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, w - t)
+    return jnp.pad(x, pad, constant_values=value)
 
 
 def _stacked_to_width(layers, w: int):
-    """Per-layer [B, T, ...] arrays stacked [L, B, w, ...] (cut or zero-padded along T): one pad
-    instead of one per layer (~3 us each, 60 a verify pass of SmolLM2)."""
-    x = jnp.stack(layers)
-    t = x.shape[2]
-    if w <= t:
-        return x[:, :, :w]
-    return jnp.pad(x, ((0, 0), (0, 0), (0, w - t)) + ((0, 0),) * (x.ndim - 3))
+    """Per-layer [B, T, ...] arrays stacked [L, B, w, ...]: one pad instead of one per layer
+    (~3 us each, 60 a verify pass of SmolLM2)."""
+    return _to_width(jnp.stack(layers), w, axis=2)
 
 
 def _resize(tree: DraftTree, w: int) -> DraftTree:
