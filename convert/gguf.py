@@ -302,14 +302,15 @@ def _write_json(path: Path, obj: dict) -> None:
 def _write_tokenizer(reader, gguf_path: Path, out: Path, max_len: int) -> None:
     """Write tokenizer.json / tokenizer_config.json / special_tokens_map.json.
 
-    The vocabulary and merges are rebuilt by transformers' own GGUF tokenizer converter (which
-    reads only metadata, not weights); we then pin the chat template, BOS behaviour and special
-    tokens in tokenizer_config.json so any transformers version finds them there.
+    The tokenizer is rebuilt from the metadata by `convert.gguf_tokenizer` (no torch); the chat
+    template, BOS behaviour and special tokens are pinned in tokenizer_config.json so any
+    transformers version finds them there.
     """
-    from transformers import AutoTokenizer
+    from convert.gguf_tokenizer import gguf_tokenizer, special_token_strings
 
+    meta = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+        tok = gguf_tokenizer(meta)
     except Exception as e:
         raise ValueError(f"cannot build the tokenizer from GGUF metadata: {gguf_path}: {_one_line(e)}") from e
     tok.save_pretrained(str(out))
@@ -320,27 +321,11 @@ def _write_tokenizer(reader, gguf_path: Path, out: Path, max_len: int) -> None:
         cfg.pop(k, None)
     cfg["model_max_length"] = max_len
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # the name every transformers version knows
-    template = _field(reader, "tokenizer.chat_template")
-    if template is not None:
-        cfg["chat_template"] = template
+    if meta.get("tokenizer.chat_template") is not None:
+        cfg["chat_template"] = meta["tokenizer.chat_template"]
     for key in ("add_bos_token", "add_eos_token"):
-        flag = _field(reader, f"tokenizer.ggml.{key}")
-        if flag is not None:
-            cfg[key] = bool(flag)
-    special = _special_tokens(reader)
+        cfg[key] = bool(getattr(tok, key))
+    special = special_token_strings(meta)
     cfg.update(special)
     _write_json(cfg_path, cfg)
     _write_json(out / "special_tokens_map.json", special)
-
-
-def _special_tokens(reader) -> dict[str, str]:
-    """bos/eos/unk/pad token strings looked up from the GGUF's token ids."""
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    ids = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-           "pad_token": "padding_token_id"}
-    out = {}
-    for name, key in ids.items():
-        i = _field(reader, f"tokenizer.ggml.{key}")
-        if i is not None and 0 <= i < len(tokens):
-            out[name] = tokens[i]
-    return out

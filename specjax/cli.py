@@ -405,9 +405,11 @@ def main(argv=None) -> int:
 def command(argv=None) -> int:
     """The `specjax` executable: `main` with JAX's persistent compilation cache on, so that a
     second run loads its compiled programs (`specjax.compile_cache`). Calling `main` in a process
-    of your own leaves JAX's configuration alone."""
+    of your own leaves JAX's configuration alone. transformers' advice that PyTorch is missing is
+    silenced: the command never needs torch (tokenizers and GGUF conversion run without it)."""
     from specjax.compile_cache import enable_compile_cache
 
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     enable_compile_cache()
     return main(argv)
 
