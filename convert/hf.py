@@ -5,8 +5,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from specjax.checkpoint import (CheckpointError, is_specjax_checkpoint, load_checkpoint, save_hf,
-                                save_specjax)
+from specjax.checkpoint import (CheckpointError, is_specjax_checkpoint, param_pieces, read_config,
+                                save_hf, save_specjax)
 
 
 def _head_converters():
@@ -43,6 +43,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) 
         raise CheckpointError(f"unknown output format '{to}' (specjax or hf)")
     if out.resolve() == path.resolve():
         raise CheckpointError(f"--out {out} is the source directory")
-    params, config, hf_config = load_checkpoint(path)
+    config, hf_config = read_config(path)
     save = save_specjax if to == "specjax" else save_hf
-    return save(out, params, config, hf_config=hf_config, tokenizer_dir=path)
+    # piece by piece from the source file to the output file, in the dtypes stored
+    return save(out, param_pieces(path, config, dtype=None), config, hf_config=hf_config,
+                tokenizer_dir=path)

@@ -3,15 +3,23 @@
 A specjax checkpoint is a directory with `specjax.json` (format marker), the model's Hugging Face
 `config.json`, `model.safetensors` in specjax's layout (linear weights [out, in], flat names such
 as `layers.3.wq`) and the tokenizer files, so it loads without conversion and converts back.
+
+Weights are read lazily (`SafetensorsTensors`: views of the files' memory maps, bfloat16 as
+`ml_dtypes.bfloat16`, no torch) and turned into parameters piece by piece (`param_pieces`: the
+embedding, each layer, the norm, the head), so a loader that places each piece as it comes holds
+about one layer on the host, not the model; `write_safetensors` writes tensor by tensor likewise.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from specjax.config import ConfigError, ModelConfig
@@ -37,6 +45,21 @@ _LAYER_KEYS = {
 # Specjax checkpoints up to version 1 stored linear weights [in, out]; loading transposes them.
 FORMAT_VERSION = 2
 LINEAR_KEYS = ("wqkv", "wo", "w_gate_up", "w_down", "wq", "wk", "wv", "w_gate", "w_up")
+# safetensors dtype codes; bfloat16 and float8 through ml_dtypes, as JAX names them.
+SAFETENSORS_DTYPES = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+_SAFETENSORS_CODES = {np.dtype(t): code for code, t in SAFETENSORS_DTYPES.items()}
+_ML_FLOATS = {np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn),
+              np.dtype(ml_dtypes.float8_e5m2)}
+# Header bytes `write_safetensors` reserves per tensor (a name, dtype, shape and two offsets).
+HEADER_BYTES_PER_TENSOR = 512
+# XLA's CPU client copies a host array aligned to this many bytes straight into a device buffer,
+# others through a staging copy of its own (one more copy of each tensor on the host).
+HOST_ALIGNMENT = 64
 
 
 class CheckpointError(ValueError):
@@ -52,29 +75,140 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"corrupt JSON in {path}: {e}") from None
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+def is_floating(dtype) -> bool:
+    """Whether `dtype` is a floating-point type (ml_dtypes' bfloat16 and float8 included, whose
+    NumPy kind is 'V')."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype in _ML_FLOATS
 
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a HOST_ALIGNMENT boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def host_copy(arr: np.ndarray, dtype=None) -> np.ndarray:
+    """arr copied into a new C-contiguous, aligned array (`aligned_empty`) of `dtype` (None: its
+    own): the caller's own, not a view of a mapped file, and one a device takes in one copy."""
+    out = aligned_empty(arr.shape, arr.dtype if dtype is None else dtype)
+    np.copyto(out, arr, casting="unsafe")
+    return out
+
+
+def _map_safetensors(path: Path) -> tuple[mmap.mmap, dict]:
+    """(the file's read-only memory map, {name: (dtype, shape, start, end)}) with byte offsets
+    into the file, after checking the header against the file's size."""
     try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for bad headers and sizes
-        if "bfloat16" in str(e) or "bf16" in str(e).lower():
-            return _read_safetensors_torch(path)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                raise ValueError(f"a {n}-byte header in a {size}-byte file")
+            header = json.loads(f.read(n))
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        header.pop("__metadata__", None)
+        entries = {}
+        for name, info in header.items():
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"tensor '{name}' has unsupported dtype {info['dtype']}")
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+            if begin < 0 or end - begin != int(np.prod(shape)) * dtype.itemsize:
+                raise ValueError(f"tensor '{name}' has offsets {[begin, end]} for shape {shape}")
+            if 8 + n + end > size:
+                raise ValueError(f"tensor '{name}' ends past the end of the file")
+            entries[name] = (dtype, shape, 8 + n + begin, 8 + n + end)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"corrupt or truncated safetensors file {path}: {e}") from None
-    return tensors
+    return buf, entries
 
 
-def _read_safetensors_torch(path: Path) -> dict[str, np.ndarray]:
-    """bfloat16 safetensors, read through torch and widened to float32."""
-    try:
-        from safetensors.torch import load_file
-        import torch
-    except ImportError:
-        raise CheckpointError(f"{path} holds bfloat16 tensors; install torch to read it") from None
-    try:
-        return {k: v.to(torch.float32).numpy() for k, v in load_file(str(path)).items()}
-    except Exception as e:
-        raise CheckpointError(f"corrupt or truncated safetensors file {path}: {e}") from None
+class SafetensorsTensors(Mapping):
+    """Tensors by name over safetensors files (one, or a sharded model's), each a read-only NumPy
+    view of its file's memory map: a tensor comes from disk only when used, and `release_read()`
+    drops the pages of those used so far from this process, so a loader that converts them as it
+    goes holds about one at a time. `widen_bfloat16` hands bfloat16 tensors out as float32 (what
+    NumPy code that tests `dtype.kind == "f"` expects)."""
+
+    def __init__(self, paths: Iterable[Path], widen_bfloat16: bool = False):
+        self._entries = {}
+        for path in paths:
+            buf, entries = _map_safetensors(Path(path))
+            self._entries.update({name: (buf, *entry) for name, entry in entries.items()})
+        self._widen = widen_bfloat16
+        self._read: set[str] = set()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        buf, dtype, shape, start, _ = self._entries[name]
+        self._read.add(name)
+        arr = np.frombuffer(buf, dtype, int(np.prod(shape)), start).reshape(shape)
+        return arr.astype(np.float32) if self._widen and dtype == ml_dtypes.bfloat16 else arr
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def release_read(self) -> None:
+        """Drop the pages of the tensors read so far from this process's memory (they stay in
+        the page cache, and are read again if a view of them is used later)."""
+        page = mmap.PAGESIZE
+        for name in self._read:
+            buf, _, _, start, end = self._entries[name]
+            first = start - start % page
+            if end > first and hasattr(mmap, "MADV_DONTNEED"):
+                buf.madvise(mmap.MADV_DONTNEED, first, end - first)
+        self._read.clear()
+
+
+def release_read(tensors: Mapping) -> None:
+    """`SafetensorsTensors.release_read`; nothing for tensors already in memory (a .bin file)."""
+    if isinstance(tensors, SafetensorsTensors):
+        tensors.release_read()
+
+
+def _read_safetensors(path: Path) -> SafetensorsTensors:
+    """The tensors of one safetensors file, read lazily, bfloat16 widened to float32."""
+    return SafetensorsTensors([path], widen_bfloat16=True)
+
+
+def write_safetensors(path: Path, named_tensors: Iterable[tuple[str, np.ndarray]],
+                      max_tensors: int, metadata: dict | None = None) -> None:
+    """Write (name, array) pairs as a safetensors file one tensor at a time, so they can come
+    from a generator that holds one piece of a model at a time.
+
+    The header, known only at the end, goes into space reserved for `max_tensors` entries before
+    the data, padded with spaces (the format allows it); the data starts on a page boundary.
+    """
+    meta = {"__metadata__": metadata} if metadata else {}
+    reserve = max_tensors * HEADER_BYTES_PER_TENSOR + len(json.dumps(meta)) + 64
+    reserve += -(8 + reserve) % mmap.PAGESIZE
+    header, offset = dict(meta), 0
+    with open(path, "wb") as f:
+        f.seek(8 + reserve)
+        for name, arr in named_tensors:
+            arr = np.ascontiguousarray(arr)
+            if arr.dtype not in _SAFETENSORS_CODES or arr.dtype.byteorder == ">":
+                raise CheckpointError(f"tensor '{name}' has dtype {arr.dtype}, which safetensors "
+                                      "does not store")
+            f.write(arr.reshape(-1).view(np.uint8).data)
+            header[name] = {"dtype": _SAFETENSORS_CODES[arr.dtype], "shape": list(arr.shape),
+                            "data_offsets": [offset, offset + arr.nbytes]}
+            offset += arr.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        if len(text) > reserve:
+            raise CheckpointError(f"{path}: {len(header) - len(meta)} tensors' header does not fit "
+                                  f"the {reserve} bytes reserved for {max_tensors}")
+        f.seek(0)
+        f.write(reserve.to_bytes(8, "little") + text.ljust(reserve))
 
 
 def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
@@ -90,134 +224,208 @@ def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
             for k, v in state.items()}
 
 
-def read_hf_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """All tensors of a Hugging Face model directory (safetensors, sharded or not, or .bin)."""
+def read_hf_tensors(model_dir: Path) -> Mapping[str, np.ndarray]:
+    """All tensors of a Hugging Face model directory (safetensors, sharded or not, read lazily as
+    stored; or .bin, read whole through torch and widened to float32)."""
     model_dir = Path(model_dir)
-    for index_name, reader in (("model.safetensors.index.json", _read_safetensors),
-                               ("pytorch_model.bin.index.json", _read_torch_bin)):
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = model_dir / index_name
         if index.exists():
-            files = sorted(set(read_json(index)["weight_map"].values()))
-            tensors = {}
-            for f in files:
-                if not (model_dir / f).exists():
-                    raise CheckpointError(f"missing weight shard {model_dir / f}")
-                tensors.update(reader(model_dir / f))
-            return tensors
+            files = [model_dir / f for f in sorted(set(read_json(index)["weight_map"].values()))]
+            missing = next((f for f in files if not f.exists()), None)
+            if missing is not None:
+                raise CheckpointError(f"missing weight shard {missing}")
+            if index_name.startswith("model.safetensors"):
+                return SafetensorsTensors(files)
+            return {k: v for f in files for k, v in _read_torch_bin(f).items()}
     if (model_dir / "model.safetensors").exists():
-        return _read_safetensors(model_dir / "model.safetensors")
+        return SafetensorsTensors([model_dir / "model.safetensors"])
     if (model_dir / "pytorch_model.bin").exists():
         return _read_torch_bin(model_dir / "pytorch_model.bin")
     raise CheckpointError(f"no weights (model.safetensors or pytorch_model.bin) in {model_dir}")
 
 
-def tensor_access(tensors: dict[str, np.ndarray], source: str = "checkpoint", dtype=np.float32):
-    """(get, expect): fetch a tensor by name, and check its shape, with errors that name it."""
+def tensor_access(tensors: Mapping[str, np.ndarray], source: str = "checkpoint", dtype=np.float32):
+    """(get, expect): fetch a tensor by name, and check that it is a floating-point weight of the
+    config's shape, copied as `dtype` (None: as stored; `host_copy`) unless copy=False, with
+    errors that name it."""
 
     def get(name):
         if name not in tensors:
             raise CheckpointError(f"{source} lacks tensor '{name}'")
         return tensors[name]
 
-    def expect(name, arr, shape):
+    def expect(name, arr, shape, copy=True):
         if tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"tensor '{name}' has shape {tuple(arr.shape)}, config says {shape}")
-        return np.ascontiguousarray(arr, dtype=dtype)
+        if not is_floating(arr.dtype):
+            raise CheckpointError(f"tensor '{name}' has dtype {arr.dtype}, not a floating-point "
+                                  "weight")
+        if not copy:  # checked only (a part the caller copies into a fused weight)
+            return arr
+        out = host_copy(arr, dtype)
+        release_read(tensors)  # copied: its file pages can go
+        return out
 
     return get, expect
 
 
-def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig, dtype=np.float32) -> dict:
-    """specjax parameter pytree (numpy) from Hugging Face tensor names."""
-    get, expect = tensor_access(tensors, dtype=dtype)
+def _hf_layer_shapes(config: ModelConfig) -> dict[str, tuple]:
+    """Shape of each HF tensor of a decoder layer, by its name under model.layers.{i}."""
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (q, d),
+            "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
+            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (d, q),
+            "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (f, d),
+            "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
 
-    d, v = config.hidden_size, config.vocab_size
-    layers = [hf_layer_params(get, expect, f"model.layers.{i}.", config)
-              for i in range(config.num_layers)]
-    params = {
-        "embed": expect("model.embed_tokens.weight", get("model.embed_tokens.weight"), (v, d)),
-        "layers": layers,
-        "norm": expect("model.norm.weight", get("model.norm.weight"), (d,)),
-    }
+
+def _param_shapes(config: ModelConfig) -> dict[str, tuple]:
+    """Shape of each specjax parameter, by its top-level or layer key (fused keys: the sum of
+    their parts along the output axis)."""
+    hf = _hf_layer_shapes(config)
+    shapes = {key: (sum(hf[s][0] for s in parts),) + hf[parts[0]][1:]
+              for key, parts in _LAYER_KEYS.items()}
+    v, d = config.vocab_size, config.hidden_size
+    return {**shapes, "embed": (v, d), "lm_head": (v, d), "norm": (d,)}
+
+
+def hf_param_pieces(tensors: Mapping[str, np.ndarray], config: ModelConfig,
+                    dtype=np.float32) -> Iterator[tuple[str | int, object]]:
+    """specjax parameters from Hugging Face tensor names, piece by piece: ("embed", array), then
+    (i, layer i's dict) for each layer, ("norm", array) and ("lm_head", array) if untied."""
+    get, expect = tensor_access(tensors, dtype=dtype)
+    shapes = _param_shapes(config)
+    yield "embed", expect("model.embed_tokens.weight", get("model.embed_tokens.weight"),
+                          shapes["embed"])
+    for i in range(config.num_layers):
+        yield i, hf_layer_params(get, expect, f"model.layers.{i}.", config, dtype=dtype)
+    yield "norm", expect("model.norm.weight", get("model.norm.weight"), shapes["norm"])
     if not config.tie_word_embeddings:
-        params["lm_head"] = expect("lm_head.weight", get("lm_head.weight"), (v, d))
+        yield "lm_head", expect("lm_head.weight", get("lm_head.weight"), shapes["lm_head"])
+
+
+def assemble_params(pieces: Iterable[tuple[str | int, object]], place=None) -> dict:
+    """The parameter pytree from (key, value) pieces (an int key: that layer), each passed
+    through place(key, value) first when given (e.g. onto its device)."""
+    params: dict = {"layers": []}
+    for key, value in pieces:
+        value = value if place is None else place(key, value)
+        if isinstance(key, int):
+            params["layers"].append(value)
+        else:
+            params[key] = value
     return params
 
 
-def hf_layer_params(get, expect, prefix: str, config: ModelConfig, input_norm: bool = True) -> dict:
+def param_items(params: dict) -> Iterator[tuple[str | int, object]]:
+    """A parameter pytree as (key, value) pieces: top-level arrays, then (i, layer i)."""
+    yield from ((k, v) for k, v in params.items() if k != "layers")
+    yield from enumerate(params["layers"])
+
+
+def hf_layer_params(get, expect, prefix: str, config: ModelConfig, input_norm: bool = True,
+                    dtype=np.float32) -> dict:
     """One decoder layer's specjax parameters from HF tensor names under `prefix`.
 
-    get(name) returns a tensor (or raises naming it); expect(name, array, shape) checks shapes.
+    get(name) returns a tensor (or raises naming it); expect(name, array, shape, copy) checks
+    shapes (`tensor_access`); fused weights are concatenated as `dtype`, as expect copies.
     """
-    d, f = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (q, d),
-              "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-              "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-              "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (d, q),
-              "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (f, d),
-              "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    shapes = _hf_layer_shapes(config)
     layer = {}
     for key, suffixes in _LAYER_KEYS.items():
         if (key == "bqkv" and not config.attention_bias) or (key == "attn_norm" and not input_norm):
             continue
-        parts = []
-        for suffix in suffixes:
-            name = prefix + suffix
-            arr = get(name)
-            parts.append(expect(name, arr, shapes[suffix]))
-        layer[key] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        if len(suffixes) == 1:
+            layer[key] = expect(prefix + suffixes[0], get(prefix + suffixes[0]), shapes[suffixes[0]])
+        else:
+            parts = [expect(prefix + s, get(prefix + s), shapes[s], copy=False) for s in suffixes]
+            layer[key] = concatenate_rows(parts, dtype)
     return layer
+
+
+def concatenate_rows(parts: list[np.ndarray], dtype=None) -> np.ndarray:
+    """The parts stacked along their first axis (a fused weight) into one aligned array of
+    `dtype` (None: the parts' common type), converted on the way."""
+    shape = (sum(p.shape[0] for p in parts),) + parts[0].shape[1:]
+    out = aligned_empty(shape, np.result_type(*parts) if dtype is None else dtype)
+    return np.concatenate(parts, axis=0, out=out, casting="unsafe")
+
+
+def _hf_named(key: str | int, value, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """A parameter piece's Hugging Face tensors (names, [out, in] layout; fused keys split)."""
+    if not isinstance(key, int):
+        name = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                "lm_head": "lm_head.weight"}[key]
+        yield name, np.asarray(value)
+        return
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    widths = {"wqkv": [q, kv, kv], "bqkv": [q, kv, kv],
+              "w_gate_up": [config.intermediate_size] * 2}
+    for k, arr in value.items():
+        arr = np.asarray(arr)
+        parts = np.split(arr, np.cumsum(widths[k])[:-1], axis=0) if k in widths else [arr]
+        for suffix, part in zip(_LAYER_KEYS[k], parts):
+            yield f"model.layers.{key}.{suffix}", np.ascontiguousarray(part)
+
+
+def _flat_named(key: str | int, value) -> Iterator[tuple[str, np.ndarray]]:
+    """A parameter piece's tensors under specjax's flat names (`embed`, `layers.3.wqkv`)."""
+    if isinstance(key, int):
+        yield from ((f"layers.{key}.{k}", np.asarray(v)) for k, v in value.items())
+    else:
+        yield key, np.asarray(value)
 
 
 def params_to_hf(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
     """Hugging Face tensor names and [out, in] layout from a specjax parameter pytree."""
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
-           "model.norm.weight": np.asarray(params["norm"])}
-    if "lm_head" in params:
-        out["lm_head.weight"] = np.asarray(params["lm_head"])
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    widths = {"wqkv": [q, kv, kv], "bqkv": [q, kv, kv],
-              "w_gate_up": [config.intermediate_size] * 2}
-    for i, layer in enumerate(params["layers"]):
-        for key, arr in layer.items():
-            arr = np.asarray(arr)
-            parts = np.split(arr, np.cumsum(widths[key])[:-1], axis=0) if key in widths else [arr]
-            for suffix, part in zip(_LAYER_KEYS[key], parts):
-                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(part)
-    return out
+    return {name: arr for key, value in param_items(params)
+            for name, arr in _hf_named(key, value, config)}
 
 
 def flatten_params(params: dict) -> dict[str, np.ndarray]:
-    flat = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
-    for i, layer in enumerate(params["layers"]):
-        for k, v in layer.items():
-            flat[f"layers.{i}.{k}"] = np.asarray(v)
-    return flat
+    return {name: arr for key, value in param_items(params) for name, arr in _flat_named(key, value)}
 
 
-def unflatten_params(flat: dict[str, np.ndarray], config: ModelConfig,
-                     version: int = FORMAT_VERSION) -> dict:
-    params: dict = {"layers": [{} for _ in range(config.num_layers)]}
-    for name, arr in flat.items():
+def specjax_param_pieces(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype=np.float32,
+                         version: int = FORMAT_VERSION) -> Iterator[tuple[str | int, object]]:
+    """specjax parameters from a specjax checkpoint's flat names, piece by piece (top-level
+    arrays, then each layer), shapes checked against the config before conversion to `dtype`
+    (None: as stored). Names are checked before any tensor is read."""
+    layer_names: list[dict] = [{} for _ in range(config.num_layers)]
+    top = []
+    for name in tensors:
         if name.startswith("layers."):
             _, i, key = name.split(".", 2)
             if int(i) >= config.num_layers:
                 raise CheckpointError(f"tensor '{name}' beyond num_hidden_layers={config.num_layers}")
-            if version < 2 and key in LINEAR_KEYS:
-                arr = np.ascontiguousarray(arr.T)
-            params["layers"][int(i)][key] = arr
+            layer_names[int(i)][key] = name
         else:
-            params[name] = arr
+            top.append(name)
     for key in ("embed", "norm") + (() if config.tie_word_embeddings else ("lm_head",)):
-        if key not in params:
+        if key not in top:
             raise CheckpointError(f"specjax checkpoint lacks tensor '{key}'")
     needed = {"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"}
-    for i, layer in enumerate(params["layers"]):
-        missing = needed - set(layer)
+    for i, names in enumerate(layer_names):
+        missing = needed - set(names)
         if missing:
             raise CheckpointError(f"specjax checkpoint lacks layers.{i}.{sorted(missing)[0]}")
-    return params
+    get, expect = tensor_access(tensors, dtype=dtype)
+    shapes = _param_shapes(config)
+
+    def read(name, key):
+        arr = get(name)
+        if version < 2 and key in LINEAR_KEYS:
+            arr = arr.T
+        if key in shapes:
+            return expect(name, arr, shapes[key])
+        return host_copy(arr, dtype if is_floating(arr.dtype) else None)
+
+    yield from ((name, read(name, name)) for name in top)
+    for i, names in enumerate(layer_names):
+        yield i, {key: read(name, key) for key, name in names.items()}
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
@@ -241,44 +449,58 @@ def _finish_dir(tmp: Path, out_dir: Path):
     tmp.rename(out_dir)
 
 
-def save_specjax(out_dir: Path, params: dict, config: ModelConfig, hf_config: dict | None = None,
+def _max_tensors(config: ModelConfig) -> int:
+    """At most how many tensors a model's parameters write as (HF names, biases included)."""
+    return 3 + config.num_layers * sum(len(parts) for parts in _LAYER_KEYS.values())
+
+
+def _save_model_dir(out_dir: Path, params, config: ModelConfig, hf_config: dict | None,
+                    tokenizer_dir: Path | None, named, metadata: dict | None,
+                    format_marker: bool) -> Path:
+    """Write a model directory (atomically: a crash leaves no half checkpoint) from `params`, a
+    pytree or (key, value) pieces (`param_pieces`), each piece written as `named` names it."""
+    out_dir = Path(out_dir)
+    pieces = param_items(params) if isinstance(params, dict) else params
+    tmp = _atomic_dir(out_dir)
+    try:
+        write_safetensors(tmp / WEIGHTS_FILE, (item for key, value in pieces
+                                               for item in named(key, value)),
+                          _max_tensors(config), metadata)
+    except BaseException:  # pieces are read while writing: a bad tensor leaves no directory
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / "config.json").write_text(json.dumps(hf_config or config.to_hf(), indent=2))
+    if format_marker:
+        (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION,
+                                                      "kind": "model"}))
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(Path(tokenizer_dir), tmp)
+    _finish_dir(tmp, out_dir)
+    return out_dir
+
+
+def save_specjax(out_dir: Path, params, config: ModelConfig, hf_config: dict | None = None,
                  tokenizer_dir: Path | None = None) -> Path:
-    """Write a specjax checkpoint (atomically: a crash leaves no half checkpoint)."""
-    from safetensors.numpy import save_file
-
-    out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    save_file(flatten_params(params), str(tmp / WEIGHTS_FILE))
-    (tmp / "config.json").write_text(json.dumps(hf_config or config.to_hf(), indent=2))
-    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION,
-                                                  "kind": "model"}))
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(Path(tokenizer_dir), tmp)
-    _finish_dir(tmp, out_dir)
-    return out_dir
+    """Write a specjax checkpoint from a parameter pytree or (key, value) pieces."""
+    return _save_model_dir(out_dir, params, config, hf_config, tokenizer_dir, _flat_named,
+                           None, format_marker=True)
 
 
-def save_hf(out_dir: Path, params: dict, config: ModelConfig, hf_config: dict | None = None,
+def save_hf(out_dir: Path, params, config: ModelConfig, hf_config: dict | None = None,
             tokenizer_dir: Path | None = None) -> Path:
-    """Write a Hugging Face model directory (config.json + model.safetensors + tokenizer)."""
-    from safetensors.numpy import save_file
-
-    out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    save_file(params_to_hf(params, config), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(hf_config or config.to_hf(), indent=2))
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(Path(tokenizer_dir), tmp)
-    _finish_dir(tmp, out_dir)
-    return out_dir
+    """Write a Hugging Face model directory (config.json + model.safetensors + tokenizer) from a
+    parameter pytree or (key, value) pieces."""
+    named = lambda key, value: _hf_named(key, value, config)  # noqa: E731
+    return _save_model_dir(out_dir, params, config, hf_config, tokenizer_dir, named,
+                           {"format": "pt"}, format_marker=False)
 
 
 def is_specjax_checkpoint(path: Path) -> bool:
     return (Path(path) / FORMAT_FILE).exists()
 
 
-def load_checkpoint(path: Path, dtype=np.float32) -> tuple[dict, ModelConfig, dict]:
-    """(params as numpy, ModelConfig, HF config dict) from a specjax or Hugging Face directory."""
+def read_config(path: Path) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, HF config dict) of a specjax or Hugging Face checkpoint directory."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"not a checkpoint directory: {path}")
@@ -289,14 +511,33 @@ def load_checkpoint(path: Path, dtype=np.float32) -> tuple[dict, ModelConfig, di
         config = ModelConfig.from_hf(hf_config)
     except ConfigError:
         raise
+    return config, hf_config
+
+
+def param_pieces(path: Path, config: ModelConfig, dtype=np.float32
+                 ) -> Iterator[tuple[str | int, object]]:
+    """A checkpoint's parameters as (key, value) pieces (`hf_param_pieces`), each converted to
+    `dtype` (None: as stored) when it is asked for. The file pages a piece was read from are
+    dropped when the next one is asked for, so a consumer that places or writes each piece
+    before asking for the next holds about one piece of the model on the host."""
+    path = Path(path)
     if is_specjax_checkpoint(path):
         weights = path / WEIGHTS_FILE
         if not weights.exists():
             raise CheckpointError(f"missing weights file {weights}")
-        flat = _read_safetensors(weights)
+        tensors = SafetensorsTensors([weights])
         version = int(read_json(path / FORMAT_FILE).get("version", 1))
-        params = unflatten_params({k: v.astype(dtype) if v.dtype.kind == "f" else v
-                                   for k, v in flat.items()}, config, version)
+        pieces = specjax_param_pieces(tensors, config, dtype, version)
     else:
-        params = hf_to_params(read_hf_tensors(path), config, dtype)
-    return params, config, hf_config
+        tensors = read_hf_tensors(path)
+        pieces = hf_param_pieces(tensors, config, dtype)
+    for piece in pieces:
+        yield piece
+        release_read(tensors)
+
+
+def load_checkpoint(path: Path, dtype=np.float32) -> tuple[dict, ModelConfig, dict]:
+    """(params as numpy arrays of `dtype`, ModelConfig, HF config dict) from a specjax or Hugging
+    Face directory."""
+    config, hf_config = read_config(path)
+    return assemble_params(param_pieces(path, config, dtype)), config, hf_config

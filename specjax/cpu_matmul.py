@@ -215,10 +215,15 @@ def pack_params(params):
     beside it as `tied_head` (`specjax.model.lm_head_weight` reads it)."""
     if not kernel_in_use() or params["embed"].dtype != jnp.float32:
         return params
-    layers = [{k: pack_weight(v) if getattr(v, "ndim", 0) == 2 else v for k, v in layer.items()}
-              for layer in params["layers"]]
+    layers = [pack_layer(layer) for layer in params["layers"]]
     head = "lm_head" if "lm_head" in params else "tied_head"
     return {**params, "layers": layers, head: pack_weight(params.get("lm_head", params["embed"]))}
+
+
+def pack_layer(layer: dict) -> dict:
+    """A decoder layer's parameters with every matrix packed (`pack_weight`; NumPy ones in
+    NumPy, so a loader can pack each layer on the host as it reads it)."""
+    return {k: pack_weight(v) if getattr(v, "ndim", 0) == 2 else v for k, v in layer.items()}
 
 
 def unpack_params(params):

@@ -13,7 +13,8 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from specjax.checkpoint import (CheckpointError, FORMAT_FILE, FORMAT_VERSION, LINEAR_KEYS,
-                                _atomic_dir, _finish_dir, _read_safetensors, read_json)
+                                _atomic_dir, _finish_dir, _read_safetensors, read_json,
+                                release_read)
 from specjax.config import ModelConfig
 
 HEADS_FILE = "heads.safetensors"
@@ -45,12 +46,16 @@ def load_heads(path, kind: str | None = None) -> tuple[dict, dict]:
         raise CheckpointError(f"{path} holds {meta['kind']} heads, not {kind} heads")
     if not (path / HEADS_FILE).exists():
         raise CheckpointError(f"missing weights file {path / HEADS_FILE}")
-    flat = _read_safetensors(path / HEADS_FILE)
-    if int(meta.get("version", 1)) < 2:  # draft decoder layers stored [in, out] (checkpoint.py)
-        flat = {k: np.ascontiguousarray(v.T) if k.startswith("layers/") and k.split("/")[-1]
-                in LINEAR_KEYS else v for k, v in flat.items()}
-    variables = unflatten_dict({tuple(k.split("/")): jnp.asarray(v) for k, v in flat.items()})
-    return meta, variables
+    tensors = _read_safetensors(path / HEADS_FILE)
+    transpose = int(meta.get("version", 1)) < 2  # draft layers stored [in, out] (checkpoint.py)
+    flat = {}
+    for name in tensors:  # one tensor on the host at a time
+        arr = tensors[name]
+        if transpose and name.startswith("layers/") and name.split("/")[-1] in LINEAR_KEYS:
+            arr = arr.T
+        flat[tuple(name.split("/"))] = jnp.asarray(arr).block_until_ready()
+        release_read(tensors)  # copied to the device: its file pages can go
+    return meta, unflatten_dict(flat)
 
 
 def check_compatible(meta: dict, config: ModelConfig, path) -> None:

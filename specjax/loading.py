@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.checkpoint import CheckpointError, load_checkpoint
+from specjax.checkpoint import CheckpointError, assemble_params, param_pieces, read_config
 from specjax.config import ModelConfig
 
 
@@ -89,10 +89,33 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
+def _placer(config: ModelConfig, mesh, pack: bool):
+    """place(key, value) for `assemble_params`: a parameter piece (host arrays already of the
+    model's dtype) onto the device, or into its shards over `mesh`; with `pack`, a layer's
+    matrices packed for the CPU matmul kernel on the host first. It waits for the copies, so the
+    piece's host arrays are freed before the next piece is read, not queued behind transfers."""
+    from specjax.cpu_matmul import pack_layer
+    from specjax.sharding import shard_params
+
+    def put(key, value):
+        if mesh is not None:
+            piece = {"layers": [value]} if isinstance(key, int) else {"layers": [], key: value}
+            placed = shard_params(piece, config, mesh)
+            return placed["layers"][0] if isinstance(key, int) else placed[key]
+        if pack and isinstance(key, int):
+            value = pack_layer(value)
+        return jax.tree_util.tree_map(jnp.asarray, value)
+
+    return lambda key, value: jax.block_until_ready(put(key, value))
+
+
 def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None,
                pack: bool = True) -> Model:
     """Load a model by embedded name, checkpoint directory (specjax or Hugging Face) or GGUF file.
 
+    The weights stream from the file: each piece (the embedding, a layer, the norm, the head) is
+    converted to `dtype` and placed as soon as it is read, so the host holds about one layer
+    beyond what the result needs (a bfloat16 checkpoint asked for as bfloat16 stays bfloat16).
     With a `mesh` (`sharding.make_mesh`), each weight goes from host memory straight into its
     shards (tensor-parallel layers unfused), never whole onto one device. Otherwise, where the
     CPU matmul kernel takes products, the weights come packed for it (`cpu_matmul.pack_params`;
@@ -100,17 +123,14 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None,
     """
     path = resolve_model_path(str(name_or_path))
     dtype = default_dtype() if dtype is None else dtype
-    params, config, hf_config = load_checkpoint(path, np.float32)
-    if mesh is not None:
-        from specjax.sharding import shard_params
+    config, hf_config = read_config(path)
+    from specjax.cpu_matmul import kernel_in_use, pack_params
 
-        params = shard_params(params, config, mesh, dtype)
-    else:
-        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
-        if pack:
-            from specjax.cpu_matmul import pack_params
-
-            params = pack_params(params)
+    pack = pack and mesh is None and np.dtype(dtype) == np.float32 and kernel_in_use()
+    params = assemble_params(param_pieces(path, config, np.dtype(dtype)),
+                             _placer(config, mesh, pack))
+    if pack:
+        params = pack_params(params)  # the output head (the layers are packed already)
     from convert.registry import is_embedded
 
     name = str(name_or_path) if is_embedded(str(name_or_path)) else None
