@@ -10,12 +10,15 @@ from kernels_pallas.tree_paged_attention_reference import (
     gather_pages,
     gathered_attention,
     tree_paged_attention_reference,
+    unwritten_keys_mask,
     visible_keys_mask,
 )
 from kernels_pallas.paged_kv_write import write_paged_kv
 from kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
 from kernels_pallas.dispatch import (
     attention_backend,
+    attention_mesh,
+    on_cpu_path,
     attention_setting,
     paged_attention,
     use_attention_backend,
@@ -23,8 +26,9 @@ from kernels_pallas.dispatch import (
 )
 
 __all__ = [
-    "attention_backend", "attention_setting", "attention_with_new_rows", "gather_pages", "gathered_attention",
-    "paged_attention", "tree_paged_attention", "tree_paged_attention_reference",
-    "unsupported_reason", "use_attention_backend", "uses_pallas", "visible_keys_mask",
+    "attention_backend", "attention_mesh", "attention_setting", "attention_with_new_rows",
+    "gather_pages", "gathered_attention", "on_cpu_path", "paged_attention",
+    "tree_paged_attention", "tree_paged_attention_reference", "unsupported_reason",
+    "unwritten_keys_mask", "use_attention_backend", "uses_pallas", "visible_keys_mask",
     "write_paged_kv",
 ]

@@ -63,17 +63,43 @@ def unsupported_reason(q, k_pages, tree_mask) -> str | None:
     return None
 
 
-def default_blocks(b: int, t: int, h: int, kvh: int, page_size: int, num_slots: int):
+# Shared memory per SM (KiB) by compute capability, which Triton stages the K/V tiles through:
+# A100/H100-class parts have 163-227 KiB, A10/L4/RTX 30xx-40xx 99 KiB.
+SHARED_MEMORY_KIB = {(8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227, (10, 0): 227,
+                     (12, 0): 99}
+HOPPER_KIB = 227  # off a GPU (interpret mode, CUDA lowering on CPU): the H100's tiles
+
+
+def shared_memory_kib() -> int:
+    """Shared memory per SM of the default device (the smallest known for an unknown GPU)."""
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or cc is None:
+        return HOPPER_KIB
+    major, minor = (int(x) for x in str(cc).split(".")[:2])
+    return SHARED_MEMORY_KIB.get((major, minor), min(SHARED_MEMORY_KIB.values()))
+
+
+def default_blocks(b: int, t: int, h: int, kvh: int, page_size: int, num_slots: int, *,
+                   d: int = 128, itemsize: int = 2, num_stages: int = 2, smem_kib: int | None = None):
     """(block_q, block_k, k_splits, num_warps): tile sizes and split count from static shapes.
 
     Decode has few query rows per KV head: wide key blocks keep more bytes in flight. Enough
     programs (~256, two per SM of an H100) keep every SM streaming; each split still reads at
     least 256 slots, and the float32 partials a split writes and the merge reads stay within a
-    quarter of the K/V bytes (rows * 8 bytes per split vs slots * 4 per head dim).
+    quarter of the K/V bytes (rows * 8 bytes per split vs slots * 4 per head dim). The q tile
+    and `num_stages` K/V tiles must fit three quarters of the SM's shared memory (`smem_kib`,
+    default the device's): key blocks shrink first, then query blocks (sm86/sm89: 99 KiB).
     """
     rows = t * (h // kvh)
     block_q = min(128, max(16, _pow2(rows)))
     block_k = max(page_size, 128 if block_q <= 32 else 64)
+    budget = 0.75 * 1024 * (shared_memory_kib() if smem_kib is None else smem_kib)
+    tiles = lambda bq, bk: (bq + 2 * bk * num_stages) * d * itemsize  # noqa: E731
+    while tiles(block_q, block_k) > budget and block_k > 16:
+        block_k //= 2
+    while tiles(block_q, block_k) > budget and block_q > 16:
+        block_q //= 2
     q_blocks = -(-rows // block_q)
     programs = b * kvh * q_blocks
     k_splits = max(1, min(-(-256 // programs), num_slots // 256,
@@ -104,8 +130,9 @@ def _tree_block_ranges(tree_mask, g: int, block_q: int, q_blocks: int, block_j: 
 
 def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g, num_slots,
             page_size, block_q, block_k, block_j, k_splits, scale, has_key_mask, has_ranges,
-            split_out):
+            split_out, has_new):
     rest = list(rest)
+    k_new_ref, v_new_ref = (rest.pop(0), rest.pop(0)) if has_new else (None, None)
     key_ref = rest.pop(0) if has_key_mask else None
     lo_ref, hi_ref = (rest.pop(0), rest.pop(0)) if has_ranges else (None, None)
     out_refs = rest
@@ -130,23 +157,32 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g,
     length = lengths_ref[b]
     committed = jnp.minimum(length, num_slots)
 
-    def attend(slot, vis, carry):
-        """Online-softmax update with the keys at `slot` [K] under visibility vis [block_q, K]."""
+    def pool_rows(slot):
+        """A loader of the pool rows at cache slots `slot` [K] (through the block table)."""
+        index = jnp.clip(slot // page_size, 0, num_table - 1)
+        page = jnp.clip(plgpu.load(tables_ref.at[index]), 0, num_pages - 1)[:, None]
+        offset = (slot % page_size)[:, None]
+        return lambda ref, used: plgpu.load(ref.at[page, offset, dim], mask=used[:, None], other=0)
+
+    def new_rows(col):
+        """A loader of the unwritten rows k_new/v_new at tree columns `col` [K]."""
+        row = jnp.clip(col, 0, j_total - 1)[:, None]
+        return lambda ref, used: plgpu.load(ref.at[row, dim], mask=used[:, None], other=0)
+
+    def attend(rows, refs, vis, carry):
+        """Online-softmax update with the keys `rows` loads from refs (K, V) under visibility
+        vis [block_q, K]."""
         o, m, l = carry
         # Slots no row sees are never loaded (other=0): NaN in unused pages cannot leak.
         used = jnp.max(vis.astype(jnp.int32), axis=0) > 0
-        index = jnp.clip(slot // page_size, 0, num_table - 1)
-        page = jnp.clip(plgpu.load(tables_ref.at[index]), 0, num_pages - 1)
-        offset = slot % page_size
-        page, offset = page[:, None], offset[:, None]
-        k = plgpu.load(k_ref.at[page, offset, dim], mask=used[:, None], other=0).astype(cdtype)
+        k = rows(refs[0], used).astype(cdtype)
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
         s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
         corr = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[:, None])
-        v = plgpu.load(v_ref.at[page, offset, dim], mask=used[:, None], other=0)
+        v = rows(refs[1], used)
         o = o * corr[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return o, m_new, l * corr + jnp.sum(p, axis=1)
 
@@ -160,7 +196,7 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g,
         ok = slot < committed
         vis = key_mask_tile(slot, ok) if has_key_mask else jnp.broadcast_to(
             ok[None, :], (block_q, block_k))
-        return attend(slot, vis & row_ok[:, None], carry)
+        return attend(pool_rows(slot), (k_ref, v_ref), vis & row_ok[:, None], carry)
 
     def tree_block(blk, carry):
         col = blk * block_j + jnp.arange(block_j)
@@ -170,7 +206,9 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g,
                          mask=row_ok[:, None] & ok[None, :], other=False)
         if has_key_mask:
             vis = vis & key_mask_tile(slot, ok)
-        return attend(slot, vis, carry)
+        if has_new:
+            return attend(new_rows(col), (k_new_ref, v_new_ref), vis, carry)
+        return attend(pool_rows(slot), (k_ref, v_ref), vis, carry)
 
     carry = (jnp.zeros((block_q, d), jnp.float32),
              jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -200,16 +238,20 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g,
 
 
 def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, *, scale=None,
-                         key_mask=None, interpret=False, block_q=None, block_k=None,
-                         block_j=64, k_splits=None, num_warps=None, num_stages=2):
+                         key_mask=None, k_new=None, v_new=None, interpret=False, block_q=None,
+                         block_k=None, block_j=64, k_splits=None, num_warps=None, num_stages=2):
     """Attention of q [B, T, H, D] over the paged cache; returns [B, T, H, D] in q's dtype.
 
     k_pages, v_pages: [KVH, P + 1, page_size, D]; block_tables int32[B, n]; lengths int32[B];
     tree_mask bool[B, T, J] over the slots lengths .. lengths + J - 1. key_mask (bool[B, T,
     n * page_size], optional) hides further keys (sliding windows): the kernel reads only the
     committed and tree slots, so it equals the reference's `key_mask` whenever that mask is a
-    subset of `visible_keys_mask(lengths, tree_mask)`, as the model's always is. The tile sizes
-    default to `default_blocks`; interpret=True runs the same kernel body on CPU.
+    subset of `visible_keys_mask(lengths, tree_mask)`, as the model's always is.
+    k_new, v_new ([B, J, KVH, D], optional): the tree keys themselves, not yet written to their
+    slots lengths .. lengths + J - 1 (a verify pass that defers its writes until after its
+    `lax.switch`, where XLA would copy every pool written inside a branch); the pools' tree slots
+    are then never read. The tile sizes default to `default_blocks`; interpret=True runs the
+    same kernel body on CPU.
     """
     reason = unsupported_reason(q, k_pages, tree_mask)
     if reason:
@@ -222,7 +264,8 @@ def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, 
     n = block_tables.shape[1]
     num_slots = n * page_size
     j_total = tree_mask.shape[-1]
-    auto = default_blocks(b, t, h, kvh, page_size, num_slots)
+    auto = default_blocks(b, t, h, kvh, page_size, num_slots, d=d, itemsize=q.dtype.itemsize,
+                          num_stages=num_stages)
     block_q = block_q or auto[0]
     block_k = block_k or auto[1]
     k_splits = k_splits or auto[2]
@@ -246,6 +289,12 @@ def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, 
         pl.BlockSpec((None,) + v_pages.shape[1:], lambda bi, hi, i: (hi, 0, 0, 0)),
         pl.BlockSpec((None, t, j_total), lambda bi, hi, i: (bi, 0, 0)),
     ]
+    has_new = k_new is not None
+    if has_new:
+        if k_new.shape != (b, j_total, kvh, d) or v_new is None or v_new.shape != k_new.shape:
+            raise ValueError(f"k_new/v_new must be [B, J, KVH, D] = {(b, j_total, kvh, d)}")
+        inputs += [k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype)]
+        specs += [pl.BlockSpec((None, j_total, None, d), lambda bi, hi, i: (bi, 0, hi, 0))] * 2
     if key_mask is not None:
         inputs.append(key_mask.astype(bool))
         specs.append(pl.BlockSpec((None, t, num_slots), lambda bi, hi, i: (bi, 0, 0)))
@@ -273,7 +322,8 @@ def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, 
     kernel = functools.partial(
         _kernel, t=t, g=g, num_slots=num_slots, page_size=page_size, block_q=block_q,
         block_k=block_k, block_j=block_j, k_splits=k_splits, scale=scale,
-        has_key_mask=key_mask is not None, has_ranges=has_ranges, split_out=split_out)
+        has_key_mask=key_mask is not None, has_ranges=has_ranges, split_out=split_out,
+        has_new=has_new)
     outs = pl.pallas_call(
         kernel,
         grid=(b, kvh, q_blocks * k_splits),

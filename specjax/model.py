@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import (attention_backend, attention_with_new_rows, paged_attention,
+from kernels_pallas import (attention_backend, attention_with_new_rows, on_cpu_path, paged_attention,
+                            unwritten_keys_mask,
                             uses_pallas, visible_keys_mask, write_paged_kv)
 from specjax import cpu_attention
 from specjax.cache import PagedKVCache
@@ -64,15 +65,19 @@ def row_sums(x):
 def linear(x, w, out_dtype=None):
     """x [..., in] times a weight stored [out, in] -> [..., out] (accumulated in out_dtype if set).
 
-    Computed as (w @ x^T)^T: for the few rows of a decode or verify pass (2-16 tokens) XLA:CPU's
-    matrix multiply runs 1.3-1.6x faster with the weight as the tall left operand than as x @ w
-    (README, Design notes; benchmarks/bench_forward_cost.py times whole passes). The barrier
-    keeps XLA from folding the transpose back into the product.
+    On XLA:CPU computed as (w @ x^T)^T: for the few rows of a decode or verify pass (2-16
+    tokens) its matrix multiply runs 1.3-1.6x faster with the weight as the tall left operand
+    than as x @ w (README, Design notes; benchmarks/bench_forward_cost.py times whole passes).
+    The barrier keeps XLA from folding the transpose back into the product. A GPU gains nothing
+    from that: there (and in any program with the Pallas kernel) it is a plain product.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.result_type(x, w))
     if kernel_applies(x2, w, out_dtype):  # float32 rows on CPU: specjax.cpu_matmul
         return rows_matmul(x2, w).reshape(*lead, w.shape[0])
+    if not on_cpu_path():
+        w = as_array(w).astype(x2.dtype)
+        return jnp.einsum("nk,ok->no", x2, w, preferred_element_type=out_dtype).reshape(*lead, w.shape[0])
     return _columns(x2, as_array(w), out_dtype).T.reshape(*lead, w.shape[0])
 
 
@@ -155,33 +160,21 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
-    if defer_write:  # attend over the gathered slots and the new rows; the pools stay as they are
-        attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
-        return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
-    k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (kernels_pallas.dispatch).
     # Without a sliding window keys_seen is the mask lengths and tree_mask imply, which the
     # Pallas kernel builds itself; the others take it precomputed (once per forward, not per layer).
     exact = config.sliding_window is None and uses_pallas()
+    if defer_write:  # attend over the committed slots and the new rows; the pools stay as they are
+        if uses_pallas():  # the kernel reads the tree keys from the rows (keys_seen is by slot)
+            attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
+                                   key_mask=None if exact else keys_seen, k_new=k, v_new=v)
+        else:
+            attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
+        return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
+    k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
     return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
-
-
-def unwritten_keys_mask(keys_seen, slots, write_ok):
-    """bool[B, T, S + T]: `keys_seen` [B, T, S] for attention over the gathered slots followed by
-    the T new rows (`_attention_unwritten`), which would be written at slots [B, T] where
-    write_ok: the slots they would overwrite are hidden, and new row j is seen where its slot is.
-
-    Appending the rows, a concatenation XLA fuses with the gather, made a 4-token pass of
-    SmolLM2 1-1.8 ms faster than scattering them into the gathered copy (A/B, AMD EPYC).
-    """
-    b, t = slots.shape
-    num_slots = keys_seen.shape[-1]
-    covered = jnp.any((slots[:, :, None] == jnp.arange(num_slots)) & write_ok[:, :, None], axis=1)
-    at_slots = jnp.broadcast_to(jnp.clip(slots, 0, num_slots - 1)[:, None, :], (b, t, t))
-    seen_new = jnp.take_along_axis(keys_seen, at_slots, axis=2) & write_ok[:, None, :]
-    return jnp.concatenate([keys_seen & ~covered[:, None, :], seen_new], axis=2)
 
 
 def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):
@@ -269,9 +262,10 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
     over the scratch slots lengths .. lengths + J - 1, where earlier calls wrote the ancestors;
     the caller then hides unwritten slots itself.
     defer_kv_write: leave the pools untouched and return the new (keys, values) per layer as a
-    fourth result (None otherwise); the XLA reference and CPU attention backends only.
+    fourth result (None otherwise); on the Pallas path only with the default slots.
     """
     t = x.shape[1]
+    given_slots = slots is not None
     if slots is None:
         slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         # Padding is not written: no query may see its slot, whose stale contents (even NaN)
@@ -279,7 +273,10 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
         tree_mask = tree_mask & valid[:, None, :]
     cos, sin = rope_cos_sin(config, positions)
     keys_seen = key_mask(config, cache, positions, tree_mask)
-    if defer_kv_write:  # once per pass, not per layer
+    if defer_kv_write and uses_pallas():
+        if given_slots:
+            raise ValueError("deferred K/V writes on the Pallas path need the default slots")
+    elif defer_kv_write:  # once per pass, not per layer
         keys_seen = unwritten_keys_mask(keys_seen, slots, valid)
     captured = {}
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kernels_pallas.dispatch import attention_mesh
 from specjax.config import ModelConfig
 
 AXES = ("data", "model")
@@ -265,7 +266,8 @@ def prefill(params, config: ModelConfig, cache, tokens, num_tokens, feature_laye
     from specjax import generate
 
     pin = functools.partial(constrain, mesh, batch=tokens.shape[0])
-    return pin(generate.prefill(params, config, pin(cache), tokens, num_tokens, feature_layers))
+    with attention_mesh(mesh):
+        return pin(generate.prefill(params, config, pin(cache), tokens, num_tokens, feature_layers))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "mesh"),
@@ -276,10 +278,11 @@ def decode_loop(params, config: ModelConfig, sampling, state, max_new_tokens, eo
     from specjax.generate import decode_step, keep_decoding
 
     pin = functools.partial(constrain, mesh, batch=state.tokens.shape[0])
-    return pin(jax.lax.while_loop(
-        lambda s: keep_decoding(s.done, stop_done),
-        lambda s: pin(decode_step(params, config, sampling, s, max_new_tokens, eos_ids)),
-        pin(state)))
+    with attention_mesh(mesh):
+        return pin(jax.lax.while_loop(
+            lambda s: keep_decoding(s.done, stop_done),
+            lambda s: pin(decode_step(params, config, sampling, s, max_new_tokens, eos_ids)),
+            pin(state)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "mesh"),
@@ -290,11 +293,12 @@ def spec_loop(params, config: ModelConfig, proposer, proposer_params, sampling, 
     from specjax.spec_decode import spec_step
 
     pin = functools.partial(constrain, mesh, batch=state.tokens.shape[0])
-    return pin(jax.lax.while_loop(
-        lambda st: jnp.any(~st.done),
-        lambda st: pin(spec_step(params, config, proposer, proposer_params, sampling, st,
-                                 max_new_tokens, eos_ids)),
-        pin(state)))
+    with attention_mesh(mesh):
+        return pin(jax.lax.while_loop(
+            lambda st: jnp.any(~st.done),
+            lambda st: pin(spec_step(params, config, proposer, proposer_params, sampling, st,
+                                     max_new_tokens, eos_ids)),
+            pin(state)))
 
 
 @functools.partial(jax.jit, static_argnames=("proposer", "mesh"), donate_argnames=("pools",))
@@ -302,7 +306,8 @@ def init_proposer(proposer, proposer_params, pools, ctx, prompt_chunk, prompt_le
                   mesh: Mesh):
     """`spec_decode.init_proposer` with the proposer state pinned."""
     pin = functools.partial(constrain, mesh, batch=prompt_chunk.shape[0])
-    return pin(proposer.init(proposer_params, pools, pin(ctx), prompt_chunk, prompt_len))
+    with attention_mesh(mesh):
+        return pin(proposer.init(proposer_params, pools, pin(ctx), prompt_chunk, prompt_len))
 
 
 def engine_functions(mesh: Mesh):

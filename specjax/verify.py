@@ -7,7 +7,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import attention_backend
+from kernels_pallas import on_cpu_path
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.cpu_matmul import kernel_in_use
@@ -84,11 +84,12 @@ def _resize(tree: DraftTree, w: int) -> DraftTree:
 
 
 def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
-                  feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = ()):
+                  feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = (),
+                  defer_writes: bool = True):
     """`verify`, run only as wide as the batch's last valid node needs; (logits, hidden, cache)
     with every verified node's K/V in the cache's scratch slots (see `verify_pruned_kv`)."""
     logits, hidden, cache, new_kv = verify_pruned_kv(params, config, cache, tree, feature_layers,
-                                                     likely_widths)
+                                                     likely_widths, defer_writes=defer_writes)
     if new_kv is not None:
         node = jnp.arange(tree.size, dtype=jnp.int32)
         cache = write_new_kv(cache, (new_kv.keys, new_kv.values),
@@ -98,31 +99,35 @@ def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftT
 
 def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
                      feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = (),
-                     greedy_draws: bool = False):
+                     greedy_draws: bool = False, defer_writes: bool = True):
     """`verify`, run only as wide as the batch's last valid node needs.
 
     A verify of T tokens costs up to ~2x a single-token pass on a CPU (small matrix products
     turn compute-bound), so when no sequence drafted anything (Prompt-Lookup without a match)
     the step costs what vanilla decoding costs. Nodes past the chosen width are invalid; their
     logits and hidden states come back as zeros. Returns (logits [B, T, V], hidden [B, T, D],
-    cache, new_kv): with the XLA or CPU attention backends the nodes' K/V are not written but
-    returned (a `NodeKV`), so that `commit` writes only the accepted path's; with a backend that
-    writes them in its kernel (Pallas) they are in the cache's scratch slots and new_kv is None.
+    cache, new_kv): the nodes' K/V are not written but returned (a `NodeKV`), so that `commit`
+    writes only the accepted path's (with defer_writes=False they are in the cache's scratch
+    slots and new_kv is None).
     With `feature_layers` the hidden states are those layers' outputs concatenated (EAGLE-3's
     features) instead of the final normed state. `likely_widths`: numbers of leading
     nodes that are often all the valid ones (a proposer's `likely_widths`, e.g. the learned tree
     without the prompt-lookup graft), verified at exactly that width when they are.
     `greedy_draws`: instead of the logits, each node's argmax int32[B, T] (0 past the width),
     taken over the verified nodes' rows only, and no [B, T, V] array is padded or returned.
+    defer_writes=False writes the nodes' K/V inside the pass instead (tests compare the two).
     """
     b, t = tree.tokens.shape
-    widths = verify_widths(t, likely_widths)
+    # Narrower widths pay where a pass's cost grows with its rows (a CPU); a GPU's pass over 64
+    # rows costs about what one row's does, so there the tree is verified whole (no switch).
+    widths = verify_widths(t, likely_widths) if on_cpu_path() else (t,)
     node = jnp.arange(t, dtype=jnp.int32)
     needed = jnp.max(jnp.where(tree.valid, node[None, :] + 1, 1))
     branch = jnp.searchsorted(jnp.asarray(widths), needed)
     # XLA copies every pool into and out of a switch branch that writes it (~2 x the whole cache
-    # per step): with XLA or CPU attention the branches return their K/V, written after the switch.
-    defer = attention_backend() in ("xla", "cpu")
+    # per step): the branches return their K/V, written after the switch (on every backend: the
+    # Pallas kernel reads the unwritten rows as its tree keys).
+    defer = defer_writes
 
     def run(w):
         def f(cache):

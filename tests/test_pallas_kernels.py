@@ -11,73 +11,20 @@ import numpy as np
 import pytest
 from jax import export
 
+from kernels_pallas.dispatch import gpu_supports_kernel
+from kernels_pallas.random_cases import TOL, make_case, rel_err
 from kernels_pallas import (attention_backend, paged_attention, tree_paged_attention,
-                            tree_paged_attention_reference, use_attention_backend,
-                            visible_keys_mask)
+                            tree_paged_attention_reference, use_attention_backend)
 from specjax import Engine, ModelConfig, init_params
 from specjax.cache import PagedKVCache, init_pages
 from specjax.model import causal_mask, decoder_layers, forward, lm_head_weight
 from specjax.proposers.eagle import EagleDynamicProposer
 
 TRITON = "__gpu$xla.gpu.triton"
+# On a CUDA GPU (sm80+) the same tests run the kernel natively; elsewhere in interpret mode.
+INTERPRET = not gpu_supports_kernel()
+KERNEL = "pallas-interpret" if INTERPRET else "pallas"
 
-
-def make_case(seed, *, b=3, t=5, j=None, kvh=2, g=3, d=16, ps=16, n=None, dtype=jnp.float32,
-              window=None, fill=np.nan):
-    """Random attention inputs; every pool slot no sequence reads holds `fill` (NaN).
-
-    Tables are shuffled pages padded with the sink page, lengths differ per sequence and are
-    not page multiples, tree masks are ancestor masks of random trees (node 0 the root).
-    """
-    rng = np.random.default_rng(seed)
-    j = t if j is None else j
-    n = n or -(-(3 * ps + j + ps // 2) // ps)
-    cap = n * ps
-    num_pages = b * n + 2
-    h = kvh * g
-    lengths = rng.integers(1, cap - j, size=b)
-    lengths[lengths % ps == 0] += 1
-    lengths[0] = min(cap - j, ps * 2 + 3)
-    lengths = lengths.astype(np.int32)
-    perm = rng.permutation(num_pages)
-    tables = np.full((b, n), num_pages, np.int32)  # the sink page
-    read = np.zeros((num_pages + 1, ps), bool)
-    for i in range(b):
-        used = -(-(lengths[i] + j) // ps)
-        tables[i, :used] = perm[i * n:i * n + used]
-        for s in range(lengths[i] + j):
-            read[tables[i, s // ps], s % ps] = True
-    k = rng.standard_normal((kvh, num_pages + 1, ps, d))
-    v = rng.standard_normal((kvh, num_pages + 1, ps, d))
-    k[:, ~read] = fill
-    v[:, ~read] = fill
-    parent = [rng.integers(0, max(1, x)) if x else -1 for x in range(j)]
-    anc = np.zeros((j, j), bool)
-    for x in range(j):
-        anc[x, x] = True
-        if parent[x] >= 0:
-            anc[x] |= anc[parent[x]]
-    # query i of T: a node of the tree over the J scratch keys (the last T when J > T)
-    tree = np.stack([anc[j - t:]] * b)
-    tree &= rng.random((b, t, 1)) < 0.9  # some queries see no tree key at all
-    q = rng.standard_normal((b, t, h, d))
-    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(tables), jnp.asarray(lengths), jnp.asarray(tree))
-    key_mask = None
-    if window is not None:
-        vis = visible_keys_mask(args[4], args[5], cap)
-        pos = lengths[:, None] + np.arange(t)[None] + (j - t)
-        slot = np.arange(cap)
-        key_mask = vis & jnp.asarray(pos[:, :, None] - slot[None, None] < window)
-    return args, key_mask
-
-
-def rel_err(out, ref):
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
-
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
 # (T, G, page_size): every T with every GQA ratio, the page sizes spread over them.
 GRID = [(t, g, ps) for i, (t, g) in enumerate((t, g) for t in (1, 5, 26, 64) for g in (1, 3, 8))
@@ -87,7 +34,7 @@ GRID = [(t, g, ps) for i, (t, g) in enumerate((t, g) for t in (1, 5, 26, 64) for
 @pytest.mark.parametrize("t,g,ps", GRID)
 def test_matches_reference_float32(t, g, ps):
     args, _ = make_case(t * 100 + g * 10 + ps, t=t, g=g, ps=ps, kvh=2 if g < 8 else 1)
-    out = tree_paged_attention(*args, interpret=True)
+    out = tree_paged_attention(*args, interpret=INTERPRET)
     ref = tree_paged_attention_reference(*args)
     assert np.isfinite(np.asarray(out)).all()
     assert rel_err(out, ref) < TOL[jnp.float32]
@@ -97,7 +44,7 @@ def test_matches_reference_float32(t, g, ps):
                                            (jnp.float16, 64, 1, 64)])
 def test_matches_reference_half(dtype, t, g, ps):
     args, _ = make_case(7 + t, t=t, g=g, ps=ps, dtype=dtype)
-    out = tree_paged_attention(*args, interpret=True)
+    out = tree_paged_attention(*args, interpret=INTERPRET)
     assert out.dtype == dtype
     assert rel_err(out, tree_paged_attention_reference(*args)) < TOL[dtype]
 
@@ -107,14 +54,14 @@ def test_split_keys_merge(k_splits):
     """Flash-decoding: committed slots over several programs, merged by XLA (splits past the
     last block stay empty)."""
     args, _ = make_case(11, t=5, g=3, ps=16, n=12)
-    out = tree_paged_attention(*args, interpret=True, k_splits=k_splits)
+    out = tree_paged_attention(*args, interpret=INTERPRET, k_splits=k_splits)
     assert rel_err(out, tree_paged_attention_reference(*args)) < TOL[jnp.float32]
 
 
 def test_scratch_tree_wider_than_queries():
     """EAGLE drafting: T queries over J > T scratch keys written by earlier calls."""
     args, _ = make_case(12, t=4, j=26, g=3, ps=16)
-    out = tree_paged_attention(*args, interpret=True)
+    out = tree_paged_attention(*args, interpret=INTERPRET)
     assert rel_err(out, tree_paged_attention_reference(*args)) < TOL[jnp.float32]
 
 
@@ -124,14 +71,14 @@ def test_prefill_chunk_blocks_over_tree_keys():
     q, k, v, tables, lengths, _ = args
     tree = causal_mask(q.shape[0], 70) & (jnp.arange(70) < 60)[None, None, :]  # padding at 60+
     args = (q, k, v, tables, lengths, tree)
-    out = tree_paged_attention(*args, interpret=True, block_j=16, block_q=32)
+    out = tree_paged_attention(*args, interpret=INTERPRET, block_j=16, block_q=32)
     assert rel_err(out, tree_paged_attention_reference(*args)) < TOL[jnp.float32]
 
 
 @pytest.mark.parametrize("k_splits", [1, 3])
 def test_sliding_window_key_mask(k_splits):
     args, key_mask = make_case(14, t=5, g=3, ps=16, window=20)
-    out = tree_paged_attention(*args, key_mask=key_mask, interpret=True, k_splits=k_splits)
+    out = tree_paged_attention(*args, key_mask=key_mask, interpret=INTERPRET, k_splits=k_splits)
     ref = tree_paged_attention_reference(*args, key_mask=key_mask)
     assert rel_err(out, ref) < TOL[jnp.float32]
 
@@ -139,8 +86,8 @@ def test_sliding_window_key_mask(k_splits):
 def test_nan_in_unread_slots_changes_nothing():
     nan_args, _ = make_case(15, t=5, g=3, ps=16, fill=np.nan)
     zero_args, _ = make_case(15, t=5, g=3, ps=16, fill=0.0)
-    a = np.asarray(tree_paged_attention(*nan_args, interpret=True, k_splits=2))
-    b = np.asarray(tree_paged_attention(*zero_args, interpret=True, k_splits=2))
+    a = np.asarray(tree_paged_attention(*nan_args, interpret=INTERPRET, k_splits=2))
+    b = np.asarray(tree_paged_attention(*zero_args, interpret=INTERPRET, k_splits=2))
     assert np.isfinite(a).all()
     np.testing.assert_array_equal(a, b)
 
@@ -150,7 +97,7 @@ def test_query_without_visible_keys_gives_zeros():
     q, k, v, tables, lengths, tree = args
     lengths = lengths.at[1].set(0)
     tree = tree.at[1, 2].set(False)
-    out = np.asarray(tree_paged_attention(q, k, v, tables, lengths, tree, interpret=True))
+    out = np.asarray(tree_paged_attention(q, k, v, tables, lengths, tree, interpret=INTERPRET))
     np.testing.assert_array_equal(out[1, 2], 0.0)
     ref = tree_paged_attention_reference(q, k, v, tables, lengths, tree)
     assert rel_err(out, ref) < TOL[jnp.float32]
@@ -159,7 +106,7 @@ def test_query_without_visible_keys_gives_zeros():
 def test_rejects_shapes_triton_cannot_tile():
     args, _ = make_case(17, t=1, g=1, d=8)
     with pytest.raises(ValueError, match="head_dim"):
-        tree_paged_attention(*args, interpret=True)
+        tree_paged_attention(*args, interpret=INTERPRET)
     with use_attention_backend("pallas-interpret"), pytest.raises(ValueError, match="forced"):
         paged_attention(*args)
     with use_attention_backend("auto"):  # off GPU: the CPU kernel or the reference (any shape)
@@ -285,7 +232,7 @@ PROMPTS = [[3, 9, 27, 17, 51, 25, 11, 33, 35, 41, 7, 7, 2, 60, 31, 18, 19, 40], 
 def test_greedy_decoding_with_kernel_matches_reference():
     params = init_params(TINY, jax.random.PRNGKey(1), scale=0.5)
     runs = {}
-    for backend in ("xla", "pallas-interpret"):
+    for backend in ("xla", KERNEL):
         with use_attention_backend(backend):
             eng = Engine(params, TINY, num_pages=64, page_size=16)
             runs[backend] = eng.generate(PROMPTS, 12, eos_token_ids=()).token_ids
@@ -294,7 +241,7 @@ def test_greedy_decoding_with_kernel_matches_reference():
                 PagedKVCache(eng.k_pages, eng.v_pages, jnp.zeros((1, 2), jnp.int32),
                              jnp.zeros((1,), jnp.int32)), causal_mask(1, 1)))(params))
             assert ("pallas_call" in traced) == (backend != "xla")
-    assert runs["pallas-interpret"] == runs["xla"]
+    assert runs[KERNEL] == runs["xla"]
     assert all(len(r) == 12 for r in runs["xla"])
 
 
@@ -314,7 +261,55 @@ def test_eagle_tree_decoding_with_kernel_matches_reference():
     with use_attention_backend("xla"):
         want = Engine(params, TINY, num_pages=64, page_size=16).generate(
             PROMPTS, 10, eos_token_ids=()).token_ids
-    with use_attention_backend("pallas-interpret"):
+    with use_attention_backend(KERNEL):
         got = Engine(params, TINY, num_pages=64, page_size=16).generate(
             PROMPTS, 10, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
     assert got.token_ids == want
+
+
+@pytest.mark.parametrize("t,g,ps,k_splits", [(1, 3, 16, 1), (5, 1, 16, 2), (26, 8, 32, 1)])
+def test_unwritten_tree_rows(t, g, ps, k_splits):
+    """k_new/v_new: the tree keys passed as rows instead of read from their slots (a verify pass
+    deferring its writes). With the slots themselves NaN, the result equals the written case."""
+    args, _ = make_case(t * 7 + g, t=t, g=g, ps=ps, kvh=2 if g < 8 else 1)
+    q, k, v, tables, lengths, tree = args
+    slots = np.asarray(lengths)[:, None] + np.arange(t)[None]
+    page = np.take_along_axis(np.asarray(tables), slots // ps, axis=1)
+    rows = lambda pool: jnp.asarray(np.asarray(pool)[:, page, slots % ps].transpose(1, 2, 0, 3))  # noqa: E731
+    k_new, v_new = rows(k), rows(v)  # [B, T, KVH, D]
+    k_nan = np.asarray(k).copy()
+    v_nan = np.asarray(v).copy()
+    k_nan[:, page, slots % ps] = np.nan
+    v_nan[:, page, slots % ps] = np.nan
+    want = tree_paged_attention_reference(*args)
+    got = tree_paged_attention(q, jnp.asarray(k_nan), jnp.asarray(v_nan), tables, lengths, tree,
+                               k_new=k_new, v_new=v_new, interpret=INTERPRET, k_splits=k_splits)
+    assert rel_err(got, want) < TOL[jnp.float32]
+
+
+def test_verify_defers_pool_writes_on_the_pallas_path():
+    """On the Pallas path too, verify's lax.switch branches write no pool (the kernel reads the
+    unwritten tree rows): results equal writing inside the pass, and no branch of the traced
+    speculative loop returns a pool (which is what makes XLA copy it)."""
+    from tests.test_speculative import check_deferred_writes
+
+    params = init_params(TINY, jax.random.PRNGKey(5), scale=0.5)
+    with use_attention_backend(KERNEL):
+        check_deferred_writes(params, TINY, tol=1e-4, compiled=False)
+
+
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+def test_tiles_fit_each_architectures_shared_memory(dtype_bytes):
+    """Hopper keeps its tiles; sm86/sm89 (99 KiB of shared memory) get smaller ones that fit."""
+    from kernels_pallas.tree_paged_attention import default_blocks
+
+    shapes = [(1, 1, 32, 8, 16, 8192), (32, 1, 32, 8, 16, 8192), (8, 64, 32, 8, 16, 2048),
+              (2, 26, 9, 3, 32, 1024)]
+    for shape in shapes:
+        d = 64 if shape[2] == 9 else 128
+        for kib in (99, 163, 227):
+            bq, bk, _, _ = default_blocks(*shape, d=d, itemsize=dtype_bytes, smem_kib=kib)
+            assert (bq + 4 * bk) * d * dtype_bytes <= 0.75 * kib * 1024, (shape, kib)
+            assert bq >= 16 and bk >= 16
+    assert default_blocks(*shapes[0], smem_kib=227)[:2] == (16, 128)
+    assert default_blocks(*shapes[2], smem_kib=227)[:2] == (128, 64)
