@@ -164,6 +164,17 @@ class GenerationOutput:
         return [float(hist[k:].sum() / total) if total else 0.0 for k in range(1, len(hist))]
 
 
+def pool_dtype(params, requested=None):
+    """The KV pools' dtype for a model: its activations' dtype (that of its embedding rows)."""
+    embed = params["embed"]
+    act = jnp.dtype(embed.dtype if jnp.issubdtype(embed.dtype, jnp.floating) else jnp.float32)
+    if requested is not None and jnp.dtype(requested) != act:
+        raise GenerationError(f"KV pool dtype {jnp.dtype(requested).name} differs from the model's "
+                              f"activations ({act.name}): leave dtype unset or load the model in "
+                              f"{jnp.dtype(requested).name}")
+    return act
+
+
 class Engine:
     """Owns the page pool and allocator of one model, and runs batched generation on it.
 
@@ -175,7 +186,11 @@ class Engine:
     """
 
     def __init__(self, params, config: ModelConfig, *, num_pages: int = 512, page_size: int = 16,
-                 dtype=jnp.float32, max_context: int | None = None, mesh=None):
+                 dtype=None, max_context: int | None = None, mesh=None):
+        """dtype: the KV pools' dtype, by default the model's activations' (its embedding's):
+        bfloat16 weights get bfloat16 pools, so attention runs on the tensor cores and reads half
+        the bytes. A different dtype is refused (the kernel would mix precisions)."""
+        dtype = pool_dtype(params, dtype)
         self.mesh = mesh
         self._fns = (prefill, decode_loop, spec_loop, init_proposer)
         self._put_batch = self._put_replicated = jnp.asarray

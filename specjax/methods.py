@@ -35,9 +35,15 @@ def shipped_heads(model: Model, method: str) -> Path | None:
 
 
 def heads_decoding_defaults(heads, method: str) -> dict:
-    """The `make_proposer` options a head checkpoint recommends for `method` (may be empty)."""
+    """The `make_proposer` options a head checkpoint recommends for `method` (may be empty).
+
+    They were chosen by measurement on a CPU, where a wider tree costs a slower verify pass;
+    on a GPU a pass over 64 nodes costs about one node's, so there (an empty result) the methods'
+    own defaults apply: the papers' and TensorRT-LLM's (EAGLE-2 63/5/8, Medusa mc_sim_7b_63)."""
     import json
 
+    if jax.default_backend() != "cpu":
+        return {}
     meta_file = Path(heads) / "specjax.json"
     try:
         meta = json.loads(meta_file.read_text())

@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import on_cpu_path
+
 
 class SamplingError(ValueError):
     """Invalid sampling settings."""
@@ -74,8 +76,10 @@ def argmax_last(x, block: int = 1024):
     node, every categorical draw). A vectorized max per block of `block` values and jnp.argmax
     over the few block maxima and inside the one winning block cost 0.02 and 0.07 ms, a sum
     included that sends inputs holding a NaN (which XLA:CPU's vectorized max need not
-    propagate) to an exact search over integer keys.
+    propagate) to an exact search over integer keys. Elsewhere (GPU) plain jnp.argmax.
     """
+    if not on_cpu_path():
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
     if x.shape[-1] < 4 * block:
         return _first_max_exact(x)
     return jax.lax.cond(jnp.isnan(jnp.sum(x)), _first_max_exact,

@@ -80,6 +80,23 @@ class Proposer(Protocol):
         """The buffers of `make_pools`, handed back to the engine after the loop."""
 
 
+class StatelessProposer:
+    """The Proposer methods of a drafter that keeps no buffers and no state between steps
+    (Prompt-Lookup, an oracle): subclasses write only `propose`."""
+
+    def make_pools(self, num_pages, page_size, dtype):
+        return None
+
+    def init(self, params, pools, ctx, prompt_chunk, prompt_len):
+        return ()
+
+    def update(self, params, state, ctx, result, active):
+        return state
+
+    def pools_of(self, state):
+        return None
+
+
 @struct.dataclass
 class SpecState:
     """Loop carry of speculative decoding."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -186,6 +187,9 @@ def test_heads_recommend_decoding_defaults(eagle_dir, tmp_path, tiny_llama):
     assert params["lm_head"].shape[0] == 24
     p, _ = make_proposer("eagle", model, heads=str(out))  # nothing recommended for EAGLE-1
     assert p.tree_size == 26
+    with mock.patch("jax.default_backend", return_value="gpu"):  # CPU-tuned: not on a GPU
+        p, _ = make_proposer("eagle2", model, heads=str(out))
+    assert (p.total_tokens, p.depth, p.top_k) == (63, 5, 8)
 
 
 def test_draft_weights_take_their_setting_on_the_cpu_kernel_and_output_stays_vanilla(

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.draft_tree import chain
+from specjax.spec_decode import StatelessProposer
 
 
 def find_continuation(tokens, length, ngram: int, num_tokens: int):
@@ -37,7 +38,7 @@ def find_continuation(tokens, length, ngram: int, num_tokens: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookupProposer:
+class PromptLookupProposer(StatelessProposer):
     """Prompt-Lookup drafting (HF names: prompt_lookup_num_tokens, max_matching_ngram_size)."""
 
     prompt_lookup_num_tokens: int = 10
@@ -58,12 +59,6 @@ class PromptLookupProposer:
     def tree_size(self) -> int:
         return self.prompt_lookup_num_tokens + 1
 
-    def make_pools(self, num_pages, page_size, dtype):
-        return None
-
-    def init(self, params, pools, ctx, prompt_chunk, prompt_len):
-        return ()
-
     def propose(self, params, state, ctx, keys, sampling):
         k = self.prompt_lookup_num_tokens
         b = ctx.tokens.shape[0]
@@ -78,9 +73,3 @@ class PromptLookupProposer:
         drafts = jnp.take_along_axis(ctx.tokens, idx, axis=1)
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
         return chain(pending, drafts, count), state
-
-    def update(self, params, state, ctx, result, active):
-        return state
-
-    def pools_of(self, state):
-        return None
