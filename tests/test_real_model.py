@@ -8,6 +8,7 @@ import torch
 
 from specjax import Engine, load_model
 from specjax.cli import encode_prompt
+from specjax.random_heads import random_head_checkpoint
 
 PROMPTS = ["What is the capital of France?",
            "Write a Python function that returns the n-th Fibonacci number.",
@@ -91,46 +92,6 @@ def test_speculative_greedy_equals_vanilla(smol, method, options):
         assert_same_or_near_tie(smol, prompt, want, got)
     assert_same_or_near_tie(smol, encoded[0], vanilla.token_ids[0], single.token_ids[0])
     assert sum(batched.steps) < sum(vanilla.steps)  # the drafts were accepted at least sometimes
-
-
-def random_head_checkpoint(method, smol, out):
-    """A head checkpoint of `method` with random weights for the embedded model, saved to out."""
-    import dataclasses
-
-    import jax
-
-    from specjax.heads import save_heads
-    from specjax.model import init_params, lm_head_weight
-
-    c = smol.config
-    key = jax.random.PRNGKey(0)
-    meta = {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
-    if method == "medusa":
-        from specjax.proposers.medusa import MedusaProposer
-
-        p = MedusaProposer(num_heads=4, vocab_size=c.vocab_size, own_lm_head=False)
-        heads = p.init_params(key, c.hidden_size, lm_head_weight(smol.params))
-        heads = jax.tree_util.tree_map(lambda a: a + 0.02 * jax.random.normal(key, a.shape), heads)
-        return save_heads(out, "medusa", heads, {**meta, "num_heads": 4, "num_layers": 1,
-                                                 "own_lm_head": False})
-    if method == "eagle3":
-        from specjax.proposers.eagle3_net import init_eagle3_params, save_eagle3_heads
-
-        cfg3, net = init_eagle3_params(key, c, 2048, scale=0.02)
-        return save_eagle3_heads(out, cfg3, net, {"hidden_size": c.hidden_size,
-                                                  "vocab_size": c.vocab_size})
-    if method == "redrafter":
-        from specjax.proposers.redrafter import ReDrafterProposer, head_meta, save_redrafter
-
-        p = ReDrafterProposer(c.hidden_size, c.vocab_size)
-        return save_redrafter(out, p.init_params(key, scale=0.5), head_meta(p))
-    cfg = dataclasses.replace(c, num_layers=1)
-    layer = init_params(cfg, key, scale=0.02)["layers"][0]
-    del layer["attn_norm"]
-    fc = {"kernel": 0.02 * jax.random.normal(key, (2 * c.hidden_size, c.hidden_size)),
-          "bias": jax.numpy.zeros((c.hidden_size,))}
-    return save_heads(out, "eagle", {"fc": fc, "layers": {"0": layer}},
-                      {**meta, "config": cfg.to_hf()})
 
 
 @pytest.mark.slow

@@ -1,0 +1,676 @@
+"""The GPU check: one command that proves and times specjax on an NVIDIA GPU.
+
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out DIR      # on a GPU: every section, ~8 min (H100)
+    python benchmarks/gpu_check.py --smoke --out DIR            # on CPU, tiny shapes (tests run it)
+    python benchmarks/gpu_check.py --lower-only [--tp N]        # on CPU: lower every GPU program for CUDA
+
+Sections (each written to DIR/results.json and DIR/results.md as soon as it ends, so a run cut
+short keeps what it measured; a section that fails records its error and the run goes on):
+- environment: versions, device, compute capability, memory, measured copy bandwidth;
+- kernel: the Pallas kernel against the XLA reference on the test suite's random cases;
+- methods: a tiny random model decoding greedily with every method, kernel on and off, tokens
+  identical to vanilla decoding;
+- sampling: a chi-square test of the first sampled token of a tree method against the target;
+- speed (Llama-3-8B shape, random bfloat16 weights made on the device): prefill, vanilla decode
+  at batch 1 and 8 against the bandwidth roofline, verify cost by tree size (a few layers timed
+  and scaled to the whole model), an oracle drafter at 2/3/4/6 accepted tokens per step,
+  kernel vs reference attention bandwidth and a block-size sweep;
+- peer: transformers' greedy `generate` on the same shapes and weights (static cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+# JAX would take 75% of the GPU's memory at its first allocation, leaving too little for the
+# peer (transformers on the same GPU): allocate as needed instead.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas import (tree_paged_attention, tree_paged_attention_reference,
+                            use_attention_backend)  # noqa: E402
+from kernels_pallas.random_cases import TOL, make_case, rel_err  # noqa: E402
+from kernels_pallas.dispatch import gpu_supports_kernel  # noqa: E402
+from specjax.cache import PagedKVCache, init_pages  # noqa: E402
+from specjax.config import ModelConfig  # noqa: E402
+from specjax.draft_tree import chain  # noqa: E402
+from specjax.generate import Engine  # noqa: E402
+from specjax.spec_decode import StatelessProposer  # noqa: E402
+from specjax.loading import Model  # noqa: E402
+from specjax.model import causal_mask, forward, init_params  # noqa: E402
+
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                        rope_theta=500000.0, max_position_embeddings=8192)
+# The same head layout at a size interpret mode and a CPU run in seconds (--smoke).
+SMOKE_8B = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=2048)
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
+METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3", "redrafter", "lookahead")
+HEAD_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "redrafter")
+ORACLE_ACCEPTED = (2, 3, 4, 6)
+
+
+# --------------------------------------------------------------------------- the report
+
+
+class Report:
+    """Sections' results, rewritten to results.json / results.md after every section."""
+
+    def __init__(self, out: Path | None, mode: str, budget_s: float):
+        self.out, self.t0, self.budget_s = out, time.perf_counter(), budget_s
+        self.data = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {}}
+        self.failed: list[str] = []
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        entry: dict = {}
+        self.data["sections"][name] = entry
+        t = time.perf_counter()
+        print(f"== {name} ({self.left():.0f} s of the budget left)", flush=True)
+        try:
+            yield entry
+        except Exception as e:  # one broken section must not cost the others' results
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            entry["traceback"] = traceback.format_exc()[-3000:]
+            self.failed.append(name)
+            print(f"   FAILED: {entry['error']}", flush=True)
+        entry["seconds"] = round(time.perf_counter() - t, 1)
+        if entry.get("ok") is False and name not in self.failed:
+            self.failed.append(name)
+        self.write()
+
+    def write(self) -> None:
+        if self.out is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "results.json").write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        (self.out / "results.md").write_text(markdown(self.data))
+
+
+def markdown(data: dict) -> str:
+    """results.md: one heading per section, its scalars as a list and its rows as a table."""
+    lines = [f"# specjax GPU check ({data['mode']}, {data['date']})", ""]
+    for name, entry in data["sections"].items():
+        lines += [f"## {name}", ""]
+        for k, v in entry.items():
+            if k in ("rows", "traceback"):
+                continue
+            lines.append(f"- {k}: {v}")
+        rows = entry.get("rows") or []
+        if rows:
+            cols = list(dict.fromkeys(c for r in rows for c in r))
+            lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def best_time(fn, *args, repeat: int = 5) -> float:
+    """Fastest of `repeat` timed calls (seconds), after one untimed call that compiles."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def environment(entry: dict, smoke: bool) -> float:
+    """Versions and device facts, and the device's copy bandwidth (bytes/s), which is returned."""
+    import jaxlib
+
+    dev = jax.devices()[0]
+    entry.update(python=platform.python_version(), jax=jax.__version__, jaxlib=jaxlib.__version__,
+                 backend=jax.default_backend(), devices=jax.device_count(),
+                 device=getattr(dev, "device_kind", str(dev)),
+                 compute_capability=getattr(dev, "compute_capability", None))
+    with contextlib.suppress(Exception):
+        entry["memory_gib"] = round(dev.memory_stats()["bytes_limit"] / 2**30, 1)
+    n = (16 if smoke else 2048) * 2**20 // 2
+    x = jnp.zeros((n,), jnp.bfloat16)
+    seconds = best_time(jax.jit(lambda a: a + 1), x, repeat=10)  # reads and writes every byte
+    bandwidth = 2 * x.nbytes / seconds
+    entry["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    return bandwidth
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def kernel_correctness(entry: dict, interpret: bool, smoke: bool) -> None:
+    """The kernel against the XLA reference over the suite's random cases (NaN in every slot no
+    query reads, random trees, ragged lengths), each dtype, GQA ratio, page size and tree size."""
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    grid = [(dt, t, g) for dt in dtypes for t in (1, 5, 26, 64) for g in (1, 4, 8)]
+    if smoke:
+        grid = [(jnp.float32, 5, 4), (jnp.bfloat16, 1, 1)]
+    rows, worst = [], {}
+    for i, (dt, t, g) in enumerate(grid):
+        ps = (16, 64)[i % 2]
+        for window in (None, 24) if t == 5 else (None,):
+            args, key_mask = make_case(i, t=t, g=g, ps=ps, kvh=2 if g < 8 else 1, dtype=dt, window=window)
+            out = tree_paged_attention(*args, key_mask=key_mask, interpret=interpret)
+            ref = tree_paged_attention_reference(*args, key_mask=key_mask)
+            err = rel_err(out, ref)
+            name = jnp.dtype(dt).name
+            worst[name] = max(worst.get(name, 0.0), err)
+            if not err <= TOL[dt]:
+                rows.append({"dtype": name, "T": t, "G": g, "page_size": ps, "window": window,
+                             "rel_err": f"{err:.2e}", "tolerance": TOL[dt]})
+    entry.update(cases=sum(2 if t == 5 else 1 for _, t, _ in grid), failures=len(rows),
+                 worst_rel_err={k: f"{v:.1e}" for k, v in worst.items()}, ok=not rows, rows=rows)
+
+
+def tiny_target(key: int = 1):
+    """A tiny random float32 model as a `Model` (its head checkpoints go to a temporary dir)."""
+    params = init_params(TINY, jax.random.PRNGKey(key), jnp.float32, scale=0.5)
+    return Model(params, TINY, Path(tempfile.mkdtemp(prefix="gpu-check-")), TINY.to_hf())
+
+
+def method_proposer(method: str, target: Model):
+    """(proposer, params) of `method` for the tiny target: random heads through their real
+    checkpoint loaders, a one-layer self-draft, a small Lookahead window."""
+    from specjax.methods import make_proposer
+    from specjax.random_heads import random_head_checkpoint
+
+    if method in HEAD_METHODS:
+        kind = {"eagle2": "eagle"}.get(method, method)
+        heads = target.path / kind
+        if not heads.exists():
+            random_head_checkpoint(kind, target, heads)
+        options = {"eagle_total_tokens": 10, "eagle_depth": 3, "eagle_top_k": 3} if method in ("eagle2", "eagle3") else {}
+        return make_proposer(method, target, heads=str(heads), **options)
+    if method == "draft":
+        return make_proposer("draft", target, draft_layers=1, max_draft_len=3)
+    if method == "pld":
+        return make_proposer("pld", target, prompt_lookup_num_tokens=4, max_matching_ngram_size=2)
+    if method == "lookahead":
+        return make_proposer("lookahead", target, lookahead=(3, 3, 3))
+    return make_proposer(method, target)
+
+
+PROMPTS = [[3, 9, 27, 17, 51, 25, 11, 33, 35, 41, 7, 7, 2, 60, 31, 18, 19, 40, 3, 9, 27], [5, 5, 5, 6, 5, 5],
+           [1, 2]]
+
+
+def method_correctness(entry: dict, kernel_backend: str, methods, kernel_methods, new_tokens: int) -> None:
+    """Greedy tokens of every method with the kernel off (XLA reference) and on, against vanilla."""
+    target = tiny_target()
+    rows, ok = [], True
+    want = None
+    for backend in ("xla", kernel_backend):
+        with use_attention_backend(backend):
+            engine = Engine(target.params, TINY, num_pages=96, page_size=16)
+            for method in methods if backend == "xla" else kernel_methods:
+                proposer, pparams = method_proposer(method, target)
+                out = engine.generate(PROMPTS, new_tokens, eos_token_ids=(), proposer=proposer,
+                                      proposer_params=pparams)
+                if want is None:
+                    want = out.token_ids
+                same = out.token_ids == want
+                ok &= same
+                rows.append({"backend": backend, "method": method, "identical_to_vanilla": same,
+                             "tokens_per_step": round(sum(map(len, out.token_ids)) / max(1, sum(out.steps)), 2)})
+    entry.update(ok=ok, rows=rows)
+
+
+def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> tuple[float, int, float]:
+    """(statistic, degrees of freedom, p-value): cells expecting fewer than 5 draws are pooled;
+    the p-value by the Wilson-Hilferty normal approximation of the chi-square tail."""
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    k = len(obs) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return stat, k, 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def sampling_check(entry: dict, samples: int, kernel_backend: str) -> None:
+    """First sampled token of EAGLE-2 (random heads, temperature 1) against the target's own
+    distribution at the prompt: a chi-square test; lossless sampling must pass it."""
+    from specjax.sampling import SamplingConfig
+
+    target = tiny_target()
+    prompt = PROMPTS[0]
+    with use_attention_backend(kernel_backend):
+        engine = Engine(target.params, TINY, num_pages=samples * 4 + 16, page_size=16)
+        proposer, pparams = method_proposer("eagle2", target)
+        out = engine.generate([prompt] * samples, 2, sampling=SamplingConfig(temperature=1.0),
+                              seeds=list(range(samples)), eos_token_ids=(), proposer=proposer,
+                              proposer_params=pparams)
+        k, v = init_pages(TINY, 4, 32, jnp.float32)
+        cache = PagedKVCache(k, v, jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
+        n = len(prompt)
+        logits = forward(target.params, TINY, jnp.asarray([prompt]), jnp.arange(n)[None], cache,
+                         causal_mask(1, n)).logits[0, -1]
+    probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32)), np.float64)
+    first = np.bincount([ids[0] for ids in out.token_ids], minlength=TINY.vocab_size)
+    stat, dof, p = chi_square_p(first.astype(np.float64), probs * samples)
+    entry.update(samples=samples, chi2=round(stat, 1), dof=dof, p_value=f"{p:.3g}", ok=p > 1e-3)
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def random_tokens(rng, b: int, n: int, vocab: int) -> list[list[int]]:
+    return rng.integers(0, vocab, size=(b, n)).tolist()
+
+
+def decode_speed(entry: dict, params, cfg: ModelConfig, bandwidth: float, smoke: bool) -> dict:
+    """Prefill of a 2k prompt and vanilla decode at batch 1 and 8 (context ~1k) against the
+    roofline: every step reads all weights and each sequence's K/V once."""
+    rng = np.random.default_rng(0)
+    ctx, new = (64, 8) if smoke else (1024, 128)
+    prefill_len = 128 if smoke else 2048
+    engine = Engine(params, cfg, num_pages=(64 if smoke else 1024), page_size=16)
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    entry["weight_gb"] = round(weight_bytes / 1e9, 2)
+    engine.generate(random_tokens(rng, 1, prefill_len, cfg.vocab_size), 1, eos_token_ids=(), warmup=True)
+    out = engine.generate(random_tokens(rng, 1, prefill_len, cfg.vocab_size), 1, eos_token_ids=())
+    entry["prefill_tokens_per_s"] = round(prefill_len / out.prefill_seconds)
+    rows, timings = [], {}
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    for b in (1, 8):
+        prompts = random_tokens(rng, b, ctx, cfg.vocab_size)
+        engine.generate(prompts, new, eos_token_ids=(), warmup=True)
+        out = engine.generate(random_tokens(rng, b, ctx, cfg.vocab_size), new, eos_token_ids=())
+        seconds = out.seconds - out.prefill_seconds
+        tps = b * new / seconds
+        step_bytes = weight_bytes + b * (ctx + new / 2) * kv_bytes_per_token
+        roofline = b * bandwidth / step_bytes
+        rows.append({"batch": b, "context": ctx, "new_tokens": new, "tokens_per_s": round(tps, 1),
+                     "ms_per_step": round(1e3 * seconds / new, 2), "roofline_tokens_per_s": round(roofline, 1),
+                     "fraction_of_roofline": round(tps / roofline, 3)})
+        timings[b] = (seconds, out)
+    entry["rows"] = rows
+    return timings
+
+
+def verify_cost(entry: dict, params, cfg: ModelConfig, smoke: bool) -> None:
+    """Cost of one target pass over T tree nodes relative to T = 1, at context ~1k.
+
+    Compiling the whole 8B model once per T would take most of the budget, so passes of 2 and 4
+    layers are timed and the whole model's time extrapolated (fixed part + 32 x per-layer part);
+    the output head and embedding are in both."""
+    ctx = 64 if smoke else 1024
+    sizes = (1, 4, 8) if smoke else (1, 4, 8, 16, 32, 64)
+    pages = -(-(ctx + 64) // 16)
+    costs = {}
+    for layers in (2, 4) if not smoke else (1, 2):
+        sub = dataclasses.replace(cfg, num_layers=layers)
+        p = {**params, "layers": params["layers"][:layers]}
+        k, v = init_pages(sub, pages + 1, 16, params["embed"].dtype)
+        cache = PagedKVCache(k, v, jnp.arange(pages, dtype=jnp.int32)[None], jnp.full((1,), ctx, jnp.int32))
+        fn = jax.jit(lambda p, c, tok, mask: forward(p, sub, tok, ctx + jnp.arange(tok.shape[1])[None], c, mask).logits,
+                     static_argnames=())
+        for t in sizes:
+            tok = jnp.zeros((1, t), jnp.int32)
+            costs[layers, t] = best_time(fn, p, cache, tok, causal_mask(1, t))
+    lo, hi = (2, 4) if not smoke else (1, 2)
+    rows = []
+    for t in sizes:
+        per_layer = (costs[hi, t] - costs[lo, t]) / (hi - lo)
+        fixed = costs[lo, t] - lo * per_layer
+        whole = fixed + cfg.num_layers * per_layer
+        rows.append({"T": t, "ms_whole_model_est": round(1e3 * whole, 2)})
+    base = rows[0]["ms_whole_model_est"]
+    for r in rows:
+        r["relative_to_T1"] = round(r["ms_whole_model_est"] / base, 3)
+    entry.update(method=f"layers {lo} and {hi} timed, extrapolated to {cfg.num_layers}", rows=rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleProposer(StatelessProposer):
+    """Drafts the target's own greedy continuation (known from a vanilla run): a chain of
+    `params["count"]` tokens read from `params["reference"]` at the sequence's length, so every
+    step accepts count + 1 tokens. It measures what the speculative machinery costs, apart from
+    any drafter's quality."""
+
+    max_draft: int
+    rule: str = "match"
+    is_chain: bool = True
+
+    @property
+    def tree_size(self) -> int:
+        return self.max_draft + 1
+
+    def propose(self, params, state, ctx, keys, sampling):
+        ref = params["reference"]
+        b, width = ref.shape
+        idx = jnp.clip(ctx.lengths[:, None] + jnp.arange(self.max_draft)[None], 0, width - 1)
+        drafts = jnp.take_along_axis(ref, idx, axis=1)
+        count = jnp.clip(jnp.minimum(params["count"], width - ctx.lengths), 0, self.max_draft)
+        pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
+        return chain(pending, drafts, count), state
+
+
+def oracle_speedups(entry: dict, params, cfg: ModelConfig, smoke: bool) -> None:
+    """End-to-end speedup over vanilla decoding (batch 1, same prompt) with the oracle drafter
+    at 2, 3, 4 and 6 accepted tokens per step; one compile serves every count (new tokens a
+    multiple of each, so every step accepts exactly that many)."""
+    ctx, new = (64, 24) if smoke else (1024, 120)
+    rng = np.random.default_rng(1)
+    prompt = random_tokens(rng, 1, ctx, cfg.vocab_size)
+    engine = Engine(params, cfg, num_pages=(64 if smoke else 256), page_size=16)
+    ref = engine.generate(prompt, new + 8, eos_token_ids=())
+    vanilla_out = engine.generate(prompt, new, eos_token_ids=())
+    seconds_vanilla = vanilla_out.seconds - vanilla_out.prefill_seconds
+    reference = jnp.asarray([prompt[0] + ref.token_ids[0]], jnp.int32)
+    proposer = OracleProposer(max(ORACLE_ACCEPTED) - 1)
+    rows = []
+    for accepted in ORACLE_ACCEPTED:
+        pparams = {"reference": reference, "count": jnp.int32(accepted - 1)}
+        engine.generate(prompt, new, eos_token_ids=(), proposer=proposer, proposer_params=pparams, warmup=True)
+        out = engine.generate(prompt, new, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+        seconds = out.seconds - out.prefill_seconds
+        rows.append({"accepted_per_step": accepted, "measured_tokens_per_step": round(new / out.steps[0], 2),
+                     "tokens_per_s": round(new / seconds, 1), "speedup": round(seconds_vanilla / seconds, 2),
+                     "same_tokens_as_vanilla": out.token_ids == vanilla_out.token_ids})
+    entry.update(vanilla_tokens_per_s=round(new / seconds_vanilla, 1), rows=rows)
+
+
+def attention_bandwidth(entry: dict, bandwidth: float, smoke: bool, interpret: bool) -> None:
+    """Pallas kernel vs XLA reference: time and achieved bandwidth (K/V bytes read / time) at
+    the 8B model's heads, then a block-size sweep at the shapes that matter most."""
+    h, kvh, d, ps = (4, 2, 32, 16) if smoke else (32, 8, 128, 16)
+    contexts, batches, trees = ((64,), (1, 2), (1, 8)) if smoke else ((2048, 8192), (1, 8, 32), (1, 8, 64))
+    rows = []
+    reference = jax.jit(tree_paged_attention_reference)
+
+    def inputs(b, t, context):
+        n = -(-(context + t) // ps)
+        key = jax.random.PRNGKey(b * 1000 + t)
+        q = jax.random.normal(key, (b, t, h, d), jnp.bfloat16)
+        kv = jax.random.normal(key, (kvh, b * n + 1, ps, d), jnp.bfloat16)
+        tables = jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+        lengths = jnp.full((b,), context, jnp.int32)
+        return (q, kv, kv, tables, lengths, causal_mask(b, t))
+
+    for context in contexts:
+        for b in batches:
+            for t in trees:
+                args = inputs(b, t, context)
+                kv_bytes = 2 * b * context * kvh * d * 2
+                kernel = jax.jit(lambda *a: tree_paged_attention(*a, interpret=interpret))
+                tk = best_time(kernel, *args, repeat=3 if smoke else 10)
+                tr = best_time(reference, *args, repeat=3 if smoke else 10)
+                rows.append({"context": context, "B": b, "T": t, "kernel_us": round(1e6 * tk, 1),
+                             "reference_us": round(1e6 * tr, 1), "kernel_vs_reference": round(tr / tk, 2),
+                             "kernel_gb_s": round(kv_bytes / tk / 1e9, 1),
+                             "fraction_of_copy_bandwidth": round(kv_bytes / tk / bandwidth, 3)})
+    entry["rows"] = rows
+    entry["sweep"] = block_sweep(inputs, contexts[-1], smoke, interpret)
+
+
+def block_sweep(inputs, context: int, smoke: bool, interpret: bool) -> list[dict]:
+    """Kernel time per tile setting at decode and tree shapes (the table the tile defaults are
+    chosen from)."""
+    shapes = ((1, 1), (2, 8)) if smoke else ((1, 1), (32, 1), (8, 64), (1, 64))
+    settings = [dict(block_k=bk, num_warps=w) for bk in (32, 64, 128) for w in (4, 8)]
+    settings += [dict(k_splits=s) for s in (1, 4, 16)]
+    if smoke:
+        settings = settings[:2]
+    out = []
+    for b, t in shapes:
+        args = inputs(b, t, context)
+        for s in settings:
+            fn = jax.jit(lambda *a, s=s: tree_paged_attention(*a, interpret=interpret, **s))
+            try:
+                us = round(1e6 * best_time(fn, *args, repeat=3 if smoke else 10), 1)
+            except Exception as e:  # a setting Triton cannot compile is a row, not a failure
+                us = f"{type(e).__name__}"
+            out.append({"B": b, "T": t, "context": context, **s, "us": us})
+    return out
+
+
+def peer_transformers(entry: dict, params, cfg: ModelConfig, ours_tps: float, smoke: bool) -> None:
+    """transformers' greedy `generate` (eager, static cache) on the same weights and shapes, at
+    batch 1, context ~1k."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float32): torch.float32}[params["embed"].dtype]
+    hf = LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "torch_dtype")})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(hf).eval()
+    finally:
+        torch.set_default_dtype(default)
+    missing, unexpected = model.load_state_dict(
+        {name: to_torch(arr, device) for name, arr in hf_tensors(params, cfg)}, strict=False)
+    if set(missing) - {"lm_head.weight"} or unexpected:
+        raise RuntimeError(f"weights do not fit transformers' Llama: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    ctx, new = (64, 8) if smoke else (1024, 128)
+    ids = torch.tensor(random_tokens(np.random.default_rng(2), 1, ctx, cfg.vocab_size), device=device)
+    # token 0 as EOS, held off by min_new_tokens: every run generates exactly n tokens
+    kwargs = dict(do_sample=False, cache_implementation="static", eos_token_id=0, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        times = {}
+        for n in (1, new):  # the difference removes prefill from the decode time
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            model.generate(ids, **{**kwargs, "max_new_tokens": n, "min_new_tokens": n})
+            sync()
+            times[n] = time.perf_counter() - t
+        theirs = model.generate(ids, **{**kwargs, "max_new_tokens": 16, "min_new_tokens": 16})[0, ctx:].tolist()
+    tps = (new - 1) / (times[new] - times[1])
+    ours = Engine(params, cfg, num_pages=(64 if smoke else 256), page_size=16).generate(
+        ids.tolist(), 16, eos_token_ids=()).token_ids[0]
+    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 16)
+    entry.update(greedy_tokens_agreeing=f"{agree} of 16 (bfloat16: a near-tie may part them)")
+    entry.update(peer=f"transformers {__import__('transformers').__version__} eager, static cache",
+                 torch=torch.__version__, tokens_per_s=round(tps, 1), ours_tokens_per_s=ours_tps,
+                 ours_vs_peer=round(ours_tps / tps, 2))
+
+
+def hf_tensors(params, cfg: ModelConfig):
+    """(Hugging Face name, device array) pairs of specjax parameters (fused weights split)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    yield "model.embed_tokens.weight", params["embed"]
+    yield "model.norm.weight", params["norm"]
+    if "lm_head" in params:
+        yield "lm_head.weight", params["lm_head"]
+    for i, layer in enumerate(params["layers"]):
+        p = f"model.layers.{i}."
+        w = layer["wqkv"]
+        yield from ((p + "self_attn.q_proj.weight", w[:q]), (p + "self_attn.k_proj.weight", w[q:q + kv]),
+                    (p + "self_attn.v_proj.weight", w[q + kv:]), (p + "self_attn.o_proj.weight", layer["wo"]),
+                    (p + "input_layernorm.weight", layer["attn_norm"]),
+                    (p + "post_attention_layernorm.weight", layer["mlp_norm"]),
+                    (p + "mlp.gate_proj.weight", layer["w_gate_up"][:cfg.intermediate_size]),
+                    (p + "mlp.up_proj.weight", layer["w_gate_up"][cfg.intermediate_size:]),
+                    (p + "mlp.down_proj.weight", layer["w_down"]))
+
+
+def to_torch(arr, device: str):
+    """A JAX array as a torch tensor on `device` (through DLPack on the GPU: no host copy)."""
+    import torch
+
+    if device == "cuda":
+        return torch.from_dlpack(jnp.array(arr, copy=True)).clone()
+    return torch.from_numpy(np.array(arr.astype(jnp.float32))).to(
+        torch.bfloat16 if arr.dtype == jnp.bfloat16 else torch.float32)
+
+
+# --------------------------------------------------------------------------- lowering
+
+
+TRITON = "__gpu$xla.gpu.triton"
+# Programs that must hold the kernel: every target pass attends over the paged cache.
+ATTENDING = ("prefill", "decode_loop", "spec_loop")
+
+
+def lower_programs(tp: int, dp: int = 1, methods=METHODS):
+    """(program name, Triton calls, problem or None) for every program a GPU run compiles.
+
+    The engine runs each method for two tokens on this machine with the XLA reference, and each
+    jitted program it calls is also exported for CUDA with the kernel forced on (jax.export
+    needs only the arguments' shapes, which the real calls provide)."""
+    from jax import export
+
+    from specjax.sharding import make_mesh
+
+    target = tiny_target()
+    mesh = make_mesh(tp=tp, dp=dp) if tp * dp > 1 else None
+    local_kv_heads = TINY.num_kv_heads // tp
+    seen: dict[str, tuple[int, str | None]] = {}
+
+    def exporting(fn, name):
+        def run(*args, **kwargs):
+            label = f"{name}[{method}]" if name in ("spec_loop", "init_proposer") else name
+            if label not in seen:
+                jitted, bound = fn, {}
+                if isinstance(fn, functools.partial):  # the mesh's engine functions bind the mesh
+                    jitted, bound = fn.func, fn.keywords
+                with use_attention_backend("pallas"):
+                    exp = export.export(jitted, platforms=["cuda"], disabled_checks=[
+                        export.DisabledSafetyCheck.custom_call(TRITON)])(*args, **bound, **kwargs)
+                seen[label] = triton_calls(exp.mlir_module(), TINY, local_kv_heads)
+                calls, problem = seen[label]
+                if problem is None and calls == 0 and name in ATTENDING:
+                    seen[label] = (0, "no Pallas/Triton kernel in a program that attends")
+            return fn(*args, **kwargs)
+        return run
+
+    with use_attention_backend("xla"):
+        engine = Engine(target.params, TINY, num_pages=64, page_size=16, mesh=mesh)
+        names = ("prefill", "decode_loop", "spec_loop", "init_proposer")
+        engine._fns = tuple(exporting(f, n) for f, n in zip(engine._fns, names))
+        for method in methods:
+            proposer, pparams = method_proposer(method, target)
+            engine.generate(PROMPTS[:2], 2, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    return [(name, calls, problem) for name, (calls, problem) in seen.items()]
+
+
+def triton_calls(module_text: str, cfg: ModelConfig, local_kv_heads: int,
+                 page_size: int = 16) -> tuple[int, str | None]:
+    """(number of Triton custom calls, problem): the KV pools a call reads ([KVH, pages,
+    page_size, head_dim] operands) must hold the device's own KV heads (the kernel inside
+    shard_map), not every head gathered onto each device."""
+    import re
+
+    calls = [line for line in module_text.splitlines() if TRITON in line and "custom_call" in line]
+    operands = [line.rsplit(" : (", 1)[-1].split(") ->")[0] for line in calls]  # not the result
+    shapes = [tuple(int(x) for x in m.split("x")[:-1])
+              for ops in operands for m in re.findall(r"tensor<([0-9x]+x(?:bf16|f16|f32))>", ops)]
+    heads = {s[0] for s in shapes if len(s) == 4 and s[2:] == (page_size, cfg.head_dim)}
+    if heads - {local_kv_heads}:
+        return len(calls), (f"the kernel reads {max(heads)} KV heads on each device, not its own "
+                            f"{local_kv_heads} (outside shard_map)")
+    return len(calls), None
+
+
+def lower_only(tp: int, dp: int = 1, methods=METHODS) -> int:
+    """Lower every program a GPU run compiles for CUDA (jax.export on this machine) with the
+    kernel forced on; one line per program with its Triton custom calls. Exit status 1 when a
+    program that attends has none, or (tp > 1) when a kernel reads every KV head on each device."""
+    if jax.device_count() < tp * dp:
+        print(f"gpu_check: --tp {tp} --dp {dp} needs {tp * dp} devices; on CPU set "
+              f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp}", file=sys.stderr)
+        return 2
+    failures = 0
+    for name, calls, problem in lower_programs(tp, dp, methods):
+        status = "ok" if problem is None else f"FAIL: {problem}"
+        print(f"tp={tp} dp={dp} {name:<28} triton calls: {calls:>3}  {status}", flush=True)
+        failures += problem is not None
+    return 1 if failures else 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, help="folder for results.json and results.md")
+    ap.add_argument("--smoke", action="store_true", help="every section at tiny shapes, on any device")
+    ap.add_argument("--lower-only", action="store_true", help="lower every GPU program for CUDA, run nothing")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size for --lower-only")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel size for --lower-only")
+    ap.add_argument("--methods", default=",".join(METHODS), help="methods --lower-only lowers")
+    ap.add_argument("--budget-s", type=float, default=450, help="stop starting sections after this")
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    args = ap.parse_args(argv)
+    if args.lower_only:
+        return lower_only(args.tp, args.dp, tuple(args.methods.split(",")))
+    if not args.smoke and not gpu_supports_kernel():
+        print(f"gpu_check: no CUDA GPU of compute capability >= 8.0 here (backend "
+              f"{jax.default_backend()}); use --smoke or --lower-only", file=sys.stderr)
+        return 2
+    smoke = args.smoke
+    skip = set(filter(None, args.skip.split(",")))
+    report = Report(args.out, "smoke" if smoke else "gpu", args.budget_s)
+    kernel_backend = "pallas-interpret" if smoke else "pallas"
+    interpret = smoke
+    bandwidth = 1e9
+    with report.section("environment") as e:
+        bandwidth = environment(e, smoke)
+    if "kernel" not in skip:
+        with report.section("kernel") as e:
+            kernel_correctness(e, interpret, smoke)
+    if "methods" not in skip:
+        with report.section("methods") as e:
+            kernel_methods = ("vanilla",) if smoke else METHODS
+            method_correctness(e, kernel_backend, METHODS, kernel_methods, 8 if smoke else 16)
+    if "sampling" not in skip:
+        with report.section("sampling") as e:
+            sampling_check(e, 400 if smoke else 4000, kernel_backend)
+    cfg = SMOKE_8B if smoke else LLAMA3_8B
+    with use_attention_backend(kernel_backend):
+        params = init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
+        vanilla = None
+        if "decode" not in skip:
+            with report.section("decode") as e:
+                vanilla = decode_speed(e, params, cfg, bandwidth, smoke)
+        if "verify" not in skip:
+            with report.section("verify") as e:
+                verify_cost(e, params, cfg, smoke)
+        if "oracle" not in skip:
+            with report.section("oracle") as e:
+                oracle_speedups(e, params, cfg, smoke)
+        if "attention" not in skip:
+            with report.section("attention") as e:
+                attention_bandwidth(e, bandwidth, smoke, interpret)
+    if "peer" not in skip and vanilla is not None and (smoke or report.left() > 30):
+        with report.section("peer") as e:
+            ours = report.data["sections"]["decode"]["rows"][0]["tokens_per_s"]
+            peer_transformers(e, params, cfg, ours, smoke)
+    summary = ", ".join(f"{k}: {'FAILED' if k in report.failed else 'ok'}" for k in report.data["sections"])
+    print(f"gpu_check done in {time.perf_counter() - report.t0:.0f} s: {summary}", flush=True)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
