@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTIONS = ("environment", "kernel", "methods", "sampling", "decode", "verify", "oracle", "attention",
+SECTIONS = ("environment", "kernel", "methods", "sampling", "decode", "oracle", "verify", "attention",
             "peer")
 
 
