@@ -14,7 +14,7 @@ import specjax.accept as accept
 import specjax.proposers.draft_model as draft_model
 import specjax.sampling as sampling
 from specjax import Engine, SamplingConfig, load_model
-from specjax.cli import encode_prompt
+from specjax.prompts import encode_prompt
 from specjax.methods import make_proposer
 
 NEW = {"categorical": sampling.categorical}

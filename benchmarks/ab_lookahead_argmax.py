@@ -11,7 +11,7 @@ import dataclasses
 
 from specjax import Engine, SamplingConfig, load_model
 from specjax.bench import machine, read_bench_prompts
-from specjax.cli import encode_prompt
+from specjax.prompts import encode_prompt
 from specjax.proposers.lookahead import LookaheadProposer
 
 

@@ -12,7 +12,7 @@ import jax, jax.numpy as jnp
 import specjax.sampling as S
 import specjax.proposers.redrafter as R
 from specjax import Engine, SamplingConfig, load_model
-from specjax.cli import encode_prompt
+from specjax.prompts import encode_prompt
 from specjax.methods import make_proposer
 from specjax.bench import read_bench_prompts, machine
 
@@ -31,7 +31,7 @@ def use(impl):
     jax.clear_caches()
 
 model = load_model("smollm2-135m")
-heads = "examples/heads/smollm2-135m/"
+heads = "specjax/shipped_heads/smollm2-135m/"
 methods = {"vanilla": (None, None), "pld": make_proposer("pld", model, min_matching_ngram_size=2),
            "eagle2": make_proposer("eagle2", model, heads=heads + "eagle"),
            "redrafter": make_proposer("redrafter", model, heads=heads + "redrafter")}

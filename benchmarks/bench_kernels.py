@@ -46,8 +46,8 @@ def roofline_table(dev=H100) -> str:
     from kernels_pallas.tree_paged_attention import default_blocks
 
     bw, peak = dev["hbm_bytes_per_s"], dev["bf16_flops"]
-    lines = [f"| B | T | context | bytes moved (MB) | GFLOP | FLOP/byte | memory time (us) | "
-             f"compute time (us) | expected (us) | bound | splits | programs |",
+    lines = ["| B | T | context | bytes moved (MB) | GFLOP | FLOP/byte | memory time (us) | "
+             "compute time (us) | expected (us) | bound | splits | programs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for context in (2048, 8192):
         for b in (1, 8, 32):

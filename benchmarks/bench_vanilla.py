@@ -47,7 +47,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from specjax import Engine, load_model
-    from specjax.cli import encode_prompt
+    from specjax.prompts import encode_prompt
 
     model = load_model(args.model)
     tok = model.tokenizer

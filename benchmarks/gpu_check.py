@@ -196,9 +196,9 @@ def kernel_correctness(entry: dict, interpret: bool, smoke: bool) -> None:
                  worst_rel_err={k: f"{v:.1e}" for k, v in worst.items()}, ok=not rows, rows=rows)
 
 
-def tiny_target(key: int = 1):
-    """A tiny random float32 model as a `Model` (its head checkpoints go to a temporary dir)."""
-    params = init_params(TINY, jax.random.PRNGKey(key), jnp.float32, scale=0.5)
+def tiny_target(key: int = 1, dtype=jnp.float32):
+    """A tiny random model as a `Model` (its head checkpoints go to a temporary dir)."""
+    params = init_params(TINY, jax.random.PRNGKey(key), dtype, scale=0.5)
     return Model(params, TINY, Path(tempfile.mkdtemp(prefix="gpu-check-")), TINY.to_hf())
 
 
@@ -391,6 +391,7 @@ def oracle_speedups(entry: dict, params, cfg: ModelConfig, smoke: bool) -> None:
     prompt = random_tokens(rng, 1, ctx, cfg.vocab_size)
     engine = Engine(params, cfg, num_pages=(64 if smoke else 256), page_size=16)
     ref = engine.generate(prompt, new + 8, eos_token_ids=())
+    engine.generate(prompt, new, eos_token_ids=(), warmup=True)  # compiled before it is timed
     vanilla_out = engine.generate(prompt, new, eos_token_ids=())
     seconds_vanilla = vanilla_out.seconds - vanilla_out.prefill_seconds
     reference = jnp.asarray([prompt[0] + ref.token_ids[0]], jnp.int32)

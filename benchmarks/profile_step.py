@@ -67,7 +67,7 @@ def main(argv=None):
 
     from specjax import Engine, load_model
     from specjax.bench import read_bench_prompts
-    from specjax.cli import encode_prompt
+    from specjax.prompts import encode_prompt
     from specjax.methods import make_proposer
 
     options = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from specjax.checkpoint import (CheckpointError, is_specjax_checkpoint, param_pieces, read_config,

@@ -12,7 +12,7 @@ loop does not have, both computed on device inside the loop (no host callbacks):
     newline), at EOS, or after --max-new-tokens tokens;
   * a metric carried through the loop: a histogram of how many drafted tokens each step accepted.
 
-The method is EAGLE-2 on the embedded SmolLM2-135M with the heads that ship in examples/heads/.
+The method is EAGLE-2 on the embedded SmolLM2-135M with the heads that ship in specjax/shipped_heads/.
 Decoding is greedy, so the tokens equal `specjax generate --method eagle2` cut after the first
 line (tests/test_examples.py checks exactly that).
 
@@ -36,7 +36,7 @@ import numpy as np
 import specjax
 from specjax.accept import accept
 from specjax.cache import PagedKVCache, init_pages, pages_needed
-from specjax.cli import encode_prompt
+from specjax.prompts import encode_prompt
 from specjax.commit import commit
 from specjax.generate import bucket, prefill
 from specjax.methods import make_proposer
@@ -84,7 +84,7 @@ def start(model, proposer, drafter_params, prompts, max_new_tokens, seed=0, page
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
         chunk[i, :len(p) - 1] = p[:-1]
-    feature_layers = tuple(getattr(proposer, "feature_layers", ()))  # EAGLE-3 reads 3 layers
+    feature_layers = tuple(proposer.feature_layers)  # EAGLE-3 reads 3 layers
     cache, features, prompt_hidden = prefill(model.params, config, cache, chunk, lens - 1,
                                              feature_layers)
     # The drafter reads the prompt's features once (EAGLE fills its own draft KV cache).
@@ -117,12 +117,12 @@ def decode(params, config, proposer, drafter_params, sampling, carry: Carry, sto
         tree, drafter = proposer.propose(drafter_params, c.drafter, ctx, step_keys(c, 1), sampling)
         # 2. Verify: ONE target forward pass over every node of every tree (tree attention mask).
         logits, hidden, cache = verify_pruned(params, config, c.cache, tree,
-                                              getattr(proposer, "feature_layers", ()),
-                                              getattr(proposer, "likely_widths", ()))
+                                              proposer.feature_layers,
+                                              proposer.likely_widths)
         # 3. Accept: the longest root path whose tokens the target agrees with (lossless), and
         #    the target's own next token after it.
         result = accept(tree, logits, step_keys(c, 2), sampling, proposer.rule,
-                        **getattr(proposer, "rule_options", {}))
+                        **proposer.rule_options)
         # 4. Commit: keep the accepted nodes' K/V in the cache, drop the rest of the tree.
         cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain)
 

@@ -1,7 +1,7 @@
 """The convenience API: every decoding method on the same prompt, one line each.
 
 `Engine.generate` owns the KV cache and the compiled loops; `make_proposer` builds a method by
-name (with the trained heads that ship in examples/heads/ for the embedded model). Each line shows
+name (with the trained heads that ship in specjax/shipped_heads/ for the embedded model). Each line shows
 the mean number of tokens a target forward pass produced (1.0 for vanilla decoding), tokens/s
 after a warm-up compile, the speedup over vanilla, and whether the greedy text equals vanilla's
 (speculative decoding is lossless: it must).
@@ -17,7 +17,7 @@ import os
 
 import specjax
 from specjax import Engine
-from specjax.cli import encode_prompt
+from specjax.prompts import encode_prompt
 from specjax.methods import make_proposer
 
 # Every method with settings that suit a CPU (README, "Benchmarks"); the head methods take the

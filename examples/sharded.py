@@ -31,7 +31,7 @@ import jax  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import Engine  # noqa: E402
-from specjax.cli import encode_prompt  # noqa: E402
+from specjax.prompts import encode_prompt  # noqa: E402
 from specjax.methods import make_proposer  # noqa: E402
 from specjax.sharding import make_mesh  # noqa: E402
 

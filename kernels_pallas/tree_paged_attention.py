@@ -25,7 +25,6 @@ slots are split over `k_splits` programs and their partial results are merged by
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

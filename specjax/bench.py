@@ -24,6 +24,8 @@ import os
 import time
 from pathlib import Path
 
+from specjax.prompts import PromptError, encode_prompt, read_prompt_file
+
 METHOD_HEADS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
                 "redrafter": "redrafter"}
 PEERS = ("hf-vanilla", "hf-pld", "hf-assisted")
@@ -66,23 +68,15 @@ class MethodSpec:
 
 
 def read_bench_prompts(path, categories=None, limit=None) -> list[dict]:
-    """[{category, index, text}] from a DESIGN.md JSONL file (`turns` or `prompt`, `category`),
-    at most `limit` per category, spread over the file."""
-    path = Path(path)
-    if not path.exists():
-        raise BenchError(f"prompts file not found: {path}")
+    """[{category, index, text}] from a prompt file (`specjax.prompts`; records without a
+    `category` are "all"), at most `limit` per category, spread over the file."""
+    try:
+        records = read_prompt_file(path, default_category="all")
+    except PromptError as e:
+        raise BenchError(str(e)) from None
     by_cat: dict[str, list[str]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            text = rec["turns"][0] if "turns" in rec else rec["prompt"]
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-            raise BenchError(f"{path}:{n}: expected a JSON object with 'turns' or 'prompt'") from None
-        by_cat.setdefault(str(rec.get("category", "all")), []).append(str(text))
-    if not by_cat:
-        raise BenchError(f"{path} holds no prompts")
+    for rec in records:
+        by_cat.setdefault(rec.category, []).append(rec.text)
     cats = list(categories) if categories else list(by_cat)
     missing = [c for c in cats if c not in by_cat]
     if missing:
@@ -176,7 +170,6 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     from tqdm import tqdm
 
     from specjax import Engine, SamplingConfig, load_model
-    from specjax.cli import encode_prompt
     from specjax.methods import make_proposer
 
     sampling = sampling or SamplingConfig()

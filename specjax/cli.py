@@ -9,10 +9,9 @@ import argparse
 import json
 import os
 import sys
-import time
-from pathlib import Path
 
 from specjax.methods import METHODS
+from specjax.prompts import encode_prompt, read_prompt_file  # noqa: F401  (encode_prompt: public here)
 
 
 class UsageError(ValueError):
@@ -144,40 +143,15 @@ def _add_convert(sub):
 
 
 def read_prompts(args) -> list[str]:
+    """The prompts of --prompt and --prompts-file (see `specjax.prompts`), cut to --limit."""
     prompts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.exists():
-            raise UsageError(f"prompts file not found: {path}")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise UsageError(f"{path}:{n}: not valid JSON") from None
-            if isinstance(rec.get("turns"), list) and rec["turns"]:
-                prompts.append(str(rec["turns"][0]))
-            elif "prompt" in rec:
-                prompts.append(str(rec["prompt"]))
-            else:
-                raise UsageError(f"{path}:{n}: record has neither 'turns' nor 'prompt'")
+        prompts += [r.text for r in read_prompt_file(args.prompts_file)]
     if args.limit is not None:
         prompts = prompts[: args.limit]
     if not prompts:
         raise UsageError("no prompt given (use --prompt TEXT or --prompts-file FILE)")
     return prompts
-
-
-def encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
-    """Token ids of a prompt: through the chat template, or exactly as the tokenizer splits it."""
-    if raw:
-        return list(tokenizer(text).input_ids)
-    if not getattr(tokenizer, "chat_template", None):
-        raise UsageError("the model's tokenizer has no chat template; pass --raw")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(rendered, add_special_tokens=False).input_ids)
 
 
 def _validate_generate(args):

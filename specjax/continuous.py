@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.batching import DecodeState, GenerationError, bucket, seed_list
 from specjax.cache import CacheFullError, PagedKVCache, block_table_array, pages_needed
 from specjax.sampling import SamplingConfig
 
@@ -48,7 +49,6 @@ def generate_continuous(engine, prompts: Sequence[Sequence[int]], max_new_tokens
     Prompts run in the order given: neighbours of similar lengths keep the tables narrow.
     The engine's pools are in use until the iterator is exhausted or closed.
     """
-    from specjax.generate import DecodeState, GenerationError, seed_list
 
     prompts = [list(map(int, p)) for p in prompts]
     engine._check(prompts, max_new_tokens)
@@ -129,7 +129,6 @@ class _Slots:
     def fill(self, state):
         """Prefill pending prompts into empty slots (as many as the pool has pages for), with
         the state's tables and token rows resized to what the running sequences can reach."""
-        from specjax.generate import bucket
 
         engine, allocator = self.engine, self.engine.allocator
         fill = []  # (slot, prompt index, cached tokens)

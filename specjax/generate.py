@@ -15,47 +15,22 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from kernels_pallas import attention_mesh
 from specjax.cache import PageAllocator, PagedKVCache, block_table_array, init_pages, pages_needed
 from specjax.config import ModelConfig
 from specjax.model import causal_mask, forward
 from specjax.sampling import SamplingConfig, sample_tokens
+from specjax.sharding import (pinning, put_batch, put_replicated, shard_params, shard_proposer_params,
+                              sharded_init, to_host)
+from specjax.batching import DecodeState, GenerationError, bucket, seed_list  # noqa: F401  (API)
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_loop
 
 
-class GenerationError(ValueError):
-    """A request that cannot run (too long, bad settings)."""
-
-
-@struct.dataclass
-class DecodeState:
-    """Loop carry of batched decoding."""
-
-    tokens: jax.Array  # int32[B, S]: prompt then generated tokens
-    lengths: jax.Array  # int32[B]: tokens so far; tokens[length-1] is pending
-    prompt_lengths: jax.Array  # int32[B]
-    done: jax.Array  # bool[B]
-    steps: jax.Array  # int32[B]: target passes each sequence took part in
-    keys: jax.Array  # PRNG key per sequence
-    cache: PagedKVCache
-
-
-def bucket(n: int, minimum: int = 16, steps_per_octave: int = 4) -> int:
-    """Round n up to one of `steps_per_octave` sizes per power of two (at least `minimum`).
-
-    Shapes, and so compiles, repeat across calls, while at most 1/steps_per_octave of the
-    attention reads are wasted on slots past the longest sequence.
-    """
-    n = max(n, minimum)
-    step = max(1, (1 << (n - 1).bit_length()) // (2 * steps_per_octave))
-    return -(-n // step) * step
-
-
-@functools.partial(jax.jit, static_argnames=("config", "feature_layers"),
+@functools.partial(jax.jit, static_argnames=("config", "feature_layers", "mesh"),
                    donate_argnames=("cache",))
 def prefill(params, config: ModelConfig, cache: PagedKVCache, tokens, num_tokens,
-            feature_layers: tuple = ()):
+            feature_layers: tuple = (), mesh=None):
     """Write the K/V of tokens[b, :num_tokens[b]] after each sequence's committed prefix.
 
     Returns the cache, the features [B, F] of each sequence's last written token (the features
@@ -64,29 +39,22 @@ def prefill(params, config: ModelConfig, cache: PagedKVCache, tokens, num_tokens
     outputs concatenated (EAGLE-3).
     """
     b, t = tokens.shape
+    pin = pinning(mesh, b)
+    cache = pin(cache)
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < num_tokens[:, None]
-    out = forward(params, config, tokens, positions, cache, causal_mask(b, t), valid=valid,
-                  logits_at=jnp.zeros((b, 0), jnp.int32), hidden_layers=feature_layers)
+    with attention_mesh(mesh):
+        out = forward(params, config, tokens, positions, cache, causal_mask(b, t), valid=valid,
+                      logits_at=jnp.zeros((b, 0), jnp.int32), hidden_layers=feature_layers)
     hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
     last = jnp.take_along_axis(hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
     last = jnp.where((num_tokens > 0)[:, None], last[:, 0], 0)
-    return out.cache.replace(lengths=cache.lengths + num_tokens), last, hidden
-
-
-def seed_list(seeds, n: int) -> list[int]:
-    """One sampling seed per prompt: an int gives seed + prompt index."""
-    seeds = [seeds + i for i in range(n)] if isinstance(seeds, int) else list(seeds)
-    if len(seeds) != n:
-        raise GenerationError(f"{len(seeds)} seeds for {n} prompts")
-    return seeds
+    return pin((out.cache.replace(lengths=cache.lengths + num_tokens), last, hidden))
 
 
 def _to_host(x):
     """numpy copy of a result (gathered across hosts when the mesh spans several)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from specjax.sharding import to_host
-
         return to_host(x)
     return np.asarray(x)
 
@@ -124,14 +92,19 @@ def keep_decoding(done, stop_done=None):
     return more if stop_done is None else more & (jnp.sum(done) < stop_done)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "mesh"),
+                   donate_argnames=("state",))
 def decode_loop(params, config: ModelConfig, sampling: SamplingConfig, state: DecodeState,
-                max_new_tokens, eos_ids, stop_done=None):
+                max_new_tokens, eos_ids, stop_done=None, mesh=None):
     """Vanilla decoding of every unfinished sequence until EOS or max_new_tokens, in one loop
-    (or until `stop_done` sequences are done: continuous batching refills their slots)."""
-    return jax.lax.while_loop(
-        lambda s: keep_decoding(s.done, stop_done),
-        lambda s: decode_step(params, config, sampling, s, max_new_tokens, eos_ids), state)
+    (or until `stop_done` sequences are done: continuous batching refills their slots). With a
+    `mesh` the carry stays pinned to its shardings (`sharding.pinning`)."""
+    pin = pinning(mesh, state.tokens.shape[0])
+    with attention_mesh(mesh):
+        return pin(jax.lax.while_loop(
+            lambda s: keep_decoding(s.done, stop_done),
+            lambda s: pin(decode_step(params, config, sampling, s, max_new_tokens, eos_ids)),
+            pin(state)))
 
 
 @dataclasses.dataclass
@@ -196,12 +169,10 @@ class Engine:
         self._put_batch = self._put_replicated = jnp.asarray
         self._sharded_pparams: dict = {}
         if mesh is not None:
-            from specjax import sharding
-
-            params = sharding.shard_params(params, config, mesh)
-            self._fns = sharding.engine_functions(mesh)
-            self._put_batch = functools.partial(sharding.put_batch, mesh)
-            self._put_replicated = functools.partial(sharding.put_replicated, mesh)
+            params = shard_params(params, config, mesh)
+            self._fns = tuple(functools.partial(f, mesh=mesh) for f in self._fns)
+            self._put_batch = functools.partial(put_batch, mesh)
+            self._put_replicated = functools.partial(put_replicated, mesh)
         self.params = params
         self.config = config
         self.page_size = page_size
@@ -216,8 +187,6 @@ class Engine:
         """make() (pools), built directly in its shards when there is a mesh."""
         if self.mesh is None:
             return make()
-        from specjax.sharding import sharded_init
-
         return sharded_init(self.mesh, make)
 
     def _sharded(self, proposer, proposer_params):
@@ -226,8 +195,6 @@ class Engine:
             return proposer_params
         key = (id(proposer_params), proposer)
         if key not in self._sharded_pparams:
-            from specjax.sharding import shard_proposer_params
-
             self._sharded_pparams[key] = (proposer_params, shard_proposer_params(
                 proposer, proposer_params, self.mesh, self.config.vocab_size))
         return self._sharded_pparams[key][1]
@@ -282,7 +249,7 @@ class Engine:
         page_lists, cached = [], []
         allocator = self.allocator  # pages go back to it even if a failure resets the pools
         # Proposers that read every prompt token's features need the whole prompt prefilled.
-        reuse = not getattr(proposer, "needs_prompt_features", False)
+        reuse = proposer is None or not proposer.needs_prompt_features
         try:
             for p, n in zip(prompts, total):
                 pages, c = allocator.allocate(n, reusable_tokens=p[:-1] if reuse else ())
@@ -342,7 +309,7 @@ class Engine:
             chunk_arr[i, :len(c)] = c
         cache, features, chunk_hidden = prefill(self.params, self.config, cache, put(chunk_arr),
                                                 put(np.asarray([len(c) for c in chunk], np.int32)),
-                                                tuple(getattr(proposer, "feature_layers", ())))
+                                                () if proposer is None else tuple(proposer.feature_layers))
         if not warmup:
             for pages, p, n in zip(page_lists, prompts, lens):
                 self.allocator.register_prefix(pages, p[:n - 1])

@@ -20,8 +20,9 @@ class MethodError(ValueError):
     """Unknown method or options that do not fit it."""
 
 
-# Trained heads shipped for embedded models: examples/heads/<model name>/<kind>/.
-SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "examples" / "heads"
+# Trained heads shipped for embedded models, package data (so a wheel has them too):
+# specjax/shipped_heads/<model name>/<kind>/.
+SHIPPED_HEADS = Path(__file__).resolve().parent / "shipped_heads"
 HEAD_KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
               "redrafter": "redrafter"}
 

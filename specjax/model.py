@@ -20,7 +20,7 @@ import numpy as np
 from kernels_pallas import (attention_backend, attention_with_new_rows, on_cpu_path, paged_attention,
                             unwritten_keys_mask,
                             uses_pallas, visible_keys_mask, write_paged_kv)
-from specjax import cpu_attention
+import specjax.cpu_attention as cpu_attention
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.cpu_activation import swiglu

@@ -14,7 +14,8 @@ Megatron-style placement (DESIGN.md, "Sharding"):
 
 How the loops are jitted: inputs are committed to their shardings (parameters by `shard_params`,
 host data by `put_batch`/`put_replicated`), so jit compiles for exactly those input shardings,
-and `constrain` pins the loop carry (cache, state, proposer state) with
+and the loops (`generate.decode_loop`, `spec_decode.spec_loop`, given the mesh) pin their carry
+through `pinning` (cache, state, proposer state) with
 `with_sharding_constraint` at the loop's entry, in its body and at its exit, which also fixes the
 outputs' shardings. That is pjit's in/out sharding contract, written as a rule over the traced
 pytree rather than a sharding pytree per function: the proposer states of the nine methods all
@@ -29,11 +30,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kernels_pallas.dispatch import attention_mesh
 from specjax.config import ModelConfig
 
 AXES = ("data", "model")
@@ -180,9 +179,8 @@ def shard_proposer_params(proposer, params, mesh: Mesh, vocab_size: int):
     if params is None:
         return None
     tp = tp_size(mesh)
-    config = getattr(proposer, "config", None)
-    unfuse = (tp > 1 and _splittable(config, tp)
-              and getattr(proposer, "variant", "eagle") != "eagle3")
+    config = proposer.config
+    unfuse = tp > 1 and _splittable(config, tp) and proposer.variant != "eagle3"
 
     def walk(node):
         if isinstance(node, dict):
@@ -231,6 +229,15 @@ def constrain(mesh: Mesh, tree, batch: int | None):
     return jax.lax.with_sharding_constraint(tree, state_shardings(mesh, tree, batch))
 
 
+def pinning(mesh: Mesh | None, batch: int | None):
+    """The function the engine's loops pin their carries with: `constrain` over `mesh` for a
+    batch of `batch` sequences, or the identity without a mesh. Pinned at a loop's entry, in
+    its body and at its exit, the carry keeps its shardings (pjit's in/out contract)."""
+    if mesh is None:
+        return lambda tree: tree
+    return functools.partial(constrain, mesh, batch=batch)
+
+
 def sharded_init(mesh: Mesh, make):
     """The pytree of arrays `make()` builds (KV pools), created directly in its shards."""
     shapes = jax.eval_shape(make)
@@ -254,63 +261,3 @@ def to_host(x):
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-# --- the engine's jitted functions with their carries pinned ------------------------------------
-
-@functools.partial(jax.jit, static_argnames=("config", "feature_layers", "mesh"),
-                   donate_argnames=("cache",))
-def prefill(params, config: ModelConfig, cache, tokens, num_tokens, feature_layers: tuple = (),
-            *, mesh: Mesh):
-    """`generate.prefill` with the cache and outputs pinned to their shardings."""
-    from specjax import generate
-
-    pin = functools.partial(constrain, mesh, batch=tokens.shape[0])
-    with attention_mesh(mesh):
-        return pin(generate.prefill(params, config, pin(cache), tokens, num_tokens, feature_layers))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "mesh"),
-                   donate_argnames=("state",))
-def decode_loop(params, config: ModelConfig, sampling, state, max_new_tokens, eos_ids,
-                stop_done=None, *, mesh: Mesh):
-    """`generate.decode_loop` with the carry pinned at entry, every step and exit."""
-    from specjax.generate import decode_step, keep_decoding
-
-    pin = functools.partial(constrain, mesh, batch=state.tokens.shape[0])
-    with attention_mesh(mesh):
-        return pin(jax.lax.while_loop(
-            lambda s: keep_decoding(s.done, stop_done),
-            lambda s: pin(decode_step(params, config, sampling, s, max_new_tokens, eos_ids)),
-            pin(state)))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "mesh"),
-                   donate_argnames=("state",))
-def spec_loop(params, config: ModelConfig, proposer, proposer_params, sampling, state,
-              max_new_tokens, eos_ids, *, mesh: Mesh):
-    """`spec_decode.spec_loop` with the carry (cache, proposer state) pinned every step."""
-    from specjax.spec_decode import spec_step
-
-    pin = functools.partial(constrain, mesh, batch=state.tokens.shape[0])
-    with attention_mesh(mesh):
-        return pin(jax.lax.while_loop(
-            lambda st: jnp.any(~st.done),
-            lambda st: pin(spec_step(params, config, proposer, proposer_params, sampling, st,
-                                     max_new_tokens, eos_ids)),
-            pin(state)))
-
-
-@functools.partial(jax.jit, static_argnames=("proposer", "mesh"), donate_argnames=("pools",))
-def init_proposer(proposer, proposer_params, pools, ctx, prompt_chunk, prompt_len, *,
-                  mesh: Mesh):
-    """`spec_decode.init_proposer` with the proposer state pinned."""
-    pin = functools.partial(constrain, mesh, batch=prompt_chunk.shape[0])
-    with attention_mesh(mesh):
-        return pin(proposer.init(proposer_params, pools, pin(ctx), prompt_chunk, prompt_len))
-
-
-def engine_functions(mesh: Mesh):
-    """(prefill, decode_loop, spec_loop, init_proposer) bound to `mesh`, as Engine calls them."""
-    return tuple(functools.partial(f, mesh=mesh)
-                 for f in (prefill, decode_loop, spec_loop, init_proposer))

@@ -14,12 +14,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kernels_pallas import attention_mesh
 from specjax.accept import AcceptResult, accept, accept_draws
 from specjax.cache import PagedKVCache
 from specjax.commit import commit
 from specjax.config import ModelConfig
 from specjax.draft_tree import DraftTree
 from specjax.sampling import SamplingConfig, argmax_last
+from specjax.sharding import pinning
 from specjax.verify import verify_pruned_kv
 
 
@@ -45,19 +47,8 @@ class SpecContext:
 
 
 class Proposer(Protocol):
-    """The protocol every drafting method implements (a hashable, static object).
-
-    Optional attributes: `rule_options` (keyword arguments of the acceptance rule),
-    `needs_prompt_features` (init() reads every prompt token's features), `feature_layers`
-    (target layers whose concatenated outputs replace the final hidden state as features),
-    `draft_scratch` (cache slots past the committed tokens the proposer writes, when more than
-    `tree_size`), `likely_widths` (numbers of leading nodes that are often the only valid ones,
-    verified at exactly that width: see `verify_pruned`), `max_path_len` (nodes on the longest
-    root path any tree may have, root included, when fewer than `tree_size`: commit and update
-    then read only that many; a wrapper that lengthens paths must say its own), `argmax_nodes`
-    ((lo, hi): the only nodes whose `SpecContext.node_argmax` update() reads, so sampled steps
-    take the argmax of those rows alone).
-    """
+    """The protocol every drafting method implements (a hashable, static object). Its optional
+    parts have defaults in `ProposerBase`, which every proposer derives from."""
 
     tree_size: int  # T, nodes per draft tree (root included)
     is_chain: bool  # trees are chains (commit needs no K/V moves)
@@ -80,7 +71,49 @@ class Proposer(Protocol):
         """The buffers of `make_pools`, handed back to the engine after the loop."""
 
 
-class StatelessProposer:
+class ProposerBase:
+    """Defaults of the `Proposer` protocol's optional parts: a proposer overrides what it needs
+    (as a dataclass field or a property), and the step reads each as a plain attribute."""
+
+    @property
+    def rule_options(self) -> dict:
+        """Keyword arguments of the acceptance rule (Medusa's typical acceptance)."""
+        return {}
+
+    # init() reads every prompt token's features (prefix reuse is then off)
+    needs_prompt_features: bool = False
+    # target layers whose concatenated outputs replace the final hidden state as features
+    feature_layers: tuple = ()
+    # the draft network's decoder config (sharding splits its layers like the target's), and
+    # the EAGLE variant ("eagle3" nets stay replicated)
+    config = None
+    variant: str | None = None
+
+    @property
+    def draft_scratch(self) -> int:
+        """Cache slots past the committed tokens the proposer writes, when more than tree_size."""
+        return 0
+
+    @property
+    def likely_widths(self) -> tuple[int, ...]:
+        """Numbers of leading nodes that are often the only valid ones, verified at exactly
+        that width (`verify_pruned`)."""
+        return ()
+
+    @property
+    def max_path_len(self) -> int:
+        """Nodes on the longest root path any tree may have, root included: commit and update
+        read only that many (a wrapper that lengthens paths must say its own)."""
+        return self.tree_size
+
+    @property
+    def argmax_nodes(self) -> tuple[int, int] | None:
+        """(lo, hi): the only nodes whose `SpecContext.node_argmax` update() reads, so sampled
+        steps take the argmax of those rows alone (None: every node)."""
+        return None
+
+
+class StatelessProposer(ProposerBase):
     """The Proposer methods of a drafter that keeps no buffers and no state between steps
     (Prompt-Lookup, an oracle): subclasses write only `propose`."""
 
@@ -117,7 +150,7 @@ def scratch_slots(proposer) -> int:
     """Cache slots past each sequence's tokens a speculative step may write (1 for vanilla)."""
     if proposer is None:
         return 1
-    return max(proposer.tree_size, getattr(proposer, "draft_scratch", 0))
+    return max(proposer.tree_size, proposer.draft_scratch)
 
 
 def _step_keys(keys, lengths, salt: int):
@@ -127,7 +160,7 @@ def _step_keys(keys, lengths, salt: int):
 def nodes_argmax(proposer, logits):
     """SpecContext.node_argmax from verify's logits [B, T, V]: the argmax of the nodes the
     proposer's update reads (`argmax_nodes`, default every node), 0 elsewhere."""
-    lo, hi = getattr(proposer, "argmax_nodes", (0, logits.shape[1]))
+    lo, hi = proposer.argmax_nodes or (0, logits.shape[1])
     return jnp.zeros(logits.shape[:2], jnp.int32).at[:, lo:hi].set(argmax_last(logits[:, lo:hi]))
 
 
@@ -153,17 +186,17 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
     with jax.named_scope("verify"):
         # greedy: each node's argmax, taken inside the verify pass over the nodes it verifies
         scores, hidden, cache, new_kv = verify_pruned_kv(
-            params, config, state.cache, tree, getattr(proposer, "feature_layers", ()),
-            getattr(proposer, "likely_widths", ()), greedy_draws=sampling.greedy)
+            params, config, state.cache, tree, proposer.feature_layers, proposer.likely_widths,
+            greedy_draws=sampling.greedy)
     with jax.named_scope("accept"):
         if sampling.greedy:
             result, node_argmax = accept_draws(tree, scores), scores
         else:
             result = accept(tree, scores, _step_keys(state.keys, state.lengths, 2), sampling,
-                            proposer.rule, **getattr(proposer, "rule_options", {}))
+                            proposer.rule, **proposer.rule_options)
             node_argmax = nodes_argmax(proposer, scores)  # left out by XLA unless read
     # No accepted path runs deeper than the proposer's trees: the phases below read that many.
-    path = result.path[:, :min(getattr(proposer, "max_path_len", tree.size), tree.size)]
+    path = result.path[:, :min(proposer.max_path_len, tree.size)]
     with jax.named_scope("commit"):
         cache = commit(cache, path, result.n_accepted, active, is_chain=proposer.is_chain,
                        new_kv=new_kv)
@@ -200,20 +233,26 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
                          accepted_hist=hist)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling"),
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "mesh"),
                    donate_argnames=("state",))
 def spec_loop(params, config: ModelConfig, proposer: Proposer, proposer_params,
-              sampling: SamplingConfig, state: SpecState, max_new_tokens, eos_ids) -> SpecState:
-    """spec_step until every sequence hit EOS or max_new_tokens, in one `lax.while_loop`."""
-    return jax.lax.while_loop(
-        lambda st: jnp.any(~st.done),
-        lambda st: spec_step(params, config, proposer, proposer_params, sampling, st,
-                             max_new_tokens, eos_ids),
-        state)
+              sampling: SamplingConfig, state: SpecState, max_new_tokens, eos_ids,
+              mesh=None) -> SpecState:
+    """spec_step until every sequence hit EOS or max_new_tokens, in one `lax.while_loop`; with
+    a `mesh` the carry (cache, proposer state) stays pinned to its shardings."""
+    pin = pinning(mesh, state.tokens.shape[0])
+    with attention_mesh(mesh):
+        return pin(jax.lax.while_loop(
+            lambda st: jnp.any(~st.done),
+            lambda st: pin(spec_step(params, config, proposer, proposer_params, sampling, st,
+                                     max_new_tokens, eos_ids)),
+            pin(state)))
 
 
-@functools.partial(jax.jit, static_argnames=("proposer",), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("proposer", "mesh"), donate_argnames=("pools",))
 def init_proposer(proposer: Proposer, proposer_params, pools, ctx: SpecContext, prompt_chunk,
-                  prompt_len):
+                  prompt_len, mesh=None):
     """The proposer's state after prefill (jitted once per shape)."""
-    return proposer.init(proposer_params, pools, ctx, prompt_chunk, prompt_len)
+    pin = pinning(mesh, prompt_chunk.shape[0])
+    with attention_mesh(mesh):
+        return pin(proposer.init(proposer_params, pools, pin(ctx), prompt_chunk, prompt_len))

@@ -43,6 +43,7 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(r["identical_to_vanilla"] for r in methods)
     oracle = data["sections"]["oracle"]["rows"]
     assert [r["measured_tokens_per_step"] for r in oracle] == [2, 3, 4, 6]
+    assert all(r["same_tokens_as_vanilla"] for r in oracle)
     md = (tmp_path / "results.md").read_text()
     assert all(f"## {s}" in md for s in SECTIONS)
 

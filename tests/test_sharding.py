@@ -225,7 +225,7 @@ def test_bad_meshes_give_one_line_errors(runs):
 def test_two_processes_form_one_mesh(runs):
     res, mp = runs
     assert res["cli_rc"] == 0 and len(res["cli"]) == 2
-    for i, (rc, out, err) in enumerate(mp):
+    for i, (rc, _, err) in enumerate(mp):
         assert rc == 0, f"process {i}: {err[-3000:]}"
     records = [[json.loads(l) for l in out.splitlines() if l.startswith("{")]
                for _, out, _ in mp]  # (gloo logs its connections on stdout)

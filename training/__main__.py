@@ -1,9 +1,7 @@
-"""`python -m training ...`: the same as `specjax train ...`."""
+"""`python -m training ...`: the same as `specjax train ...` (same parser, same one-line errors)."""
 
 import sys
 
-from specjax.compile_cache import enable_compile_cache
-from training.cli import main
+from specjax.cli import command
 
-enable_compile_cache()
-sys.exit(main())
+sys.exit(command(["train", *sys.argv[1:]]))

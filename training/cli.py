@@ -208,10 +208,3 @@ def run_synthesize(args) -> int:
                               progress=not args.no_progress)
     print(f"{args.out}: {len(kept)} prompts", file=sys.stderr)
     return 0
-
-
-def main(argv=None) -> int:
-    """`python -m training ARGS` = `specjax train ARGS` (same parser, same one-line errors)."""
-    from specjax.cli import main as specjax_main
-
-    return specjax_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -17,6 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax import prompts
+from specjax.prompts import PromptRecord  # noqa: F401  (part of this module's API)
+
 DISTILL_FILE = "distill.jsonl"
 DISTILL_META = "distill.json"
 
@@ -25,50 +28,12 @@ class DataError(ValueError):
     """A prompt file or a data folder that cannot be used (one-line message)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptRecord:
-    """One line of a prompt file: a chat prompt, or plain text (`is_text`)."""
-
-    text: str
-    category: str = "default"
-    id: str = ""
-    is_text: bool = False
-
-
 def read_prompt_file(path) -> list[PromptRecord]:
-    """Records of a JSONL file with `turns` (first is the prompt), `prompt` or `text`.
-
-    Empty files, invalid JSON and records without any of those fields raise DataError naming
-    the file and the line.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"prompt file not found: {path}")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
-            cat = str(rec.get("category") or "default")
-            rid = str(rec.get("id", n))
-            turns = rec.get("turns")
-            if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]:
-                records.append(PromptRecord(turns[0], cat, rid))
-            elif isinstance(rec.get("prompt"), str) and rec["prompt"]:
-                records.append(PromptRecord(rec["prompt"], cat, rid))
-            elif isinstance(rec.get("text"), str) and rec["text"]:
-                records.append(PromptRecord(rec["text"], cat, rid, is_text=True))
-            else:
-                raise DataError(f"{path}:{n}: record has no non-empty 'turns', 'prompt' or 'text'")
-    if not records:
-        raise DataError(f"{path}: no records (the file is empty)")
-    return records
+    """`specjax.prompts.read_prompt_file`, its errors as DataError."""
+    try:
+        return prompts.read_prompt_file(path)
+    except prompts.PromptError as e:
+        raise DataError(str(e)) from None
 
 
 def spread_over_categories(records: Sequence[PromptRecord], n: int | None, keep=None) -> list[int]:
@@ -96,14 +61,11 @@ def spread_over_categories(records: Sequence[PromptRecord], n: int | None, keep=
 
 
 def encode_record(tokenizer, rec: PromptRecord) -> list[int]:
-    """Token ids: chat prompts through the chat template (generation prompt added), text raw."""
-    if rec.is_text:
-        return list(tokenizer(rec.text).input_ids)
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("the base model's tokenizer has no chat template; use 'text' records")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": rec.text}], add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(rendered, add_special_tokens=False).input_ids)
+    """`specjax.prompts.encode_record`, its errors as DataError."""
+    try:
+        return prompts.encode_record(tokenizer, rec)
+    except prompts.PromptError as e:
+        raise DataError(str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ prefixes (a child is never more frequent than its parent, so they form a tree). 
 Medusa paper's tree construction with measured prefix frequencies in place of its product of
 per-head accuracies, which assumes the heads err independently.
 
-    python -m training.medusa_tree --heads examples/heads/smollm2-135m/medusa \
+    python -m training.medusa_tree --heads specjax/shipped_heads/smollm2-135m/medusa \
         --data runs/mix3 --nodes 4 8 16 63 --out runs/medusa_trees.json
 
 Measure on features the heads were not trained on (another data folder of the same base model).

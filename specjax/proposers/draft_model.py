@@ -21,6 +21,7 @@ from specjax.config import ModelConfig
 from specjax.draft_tree import chain
 from specjax.model import causal_mask, forward
 from specjax.sampling import SamplingConfig, argmax_last, categorical, processed_logprobs
+from specjax.spec_decode import ProposerBase
 
 
 @struct.dataclass
@@ -52,7 +53,7 @@ def self_draft_config(config: ModelConfig, num_layers: int) -> ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     """Draft-Target-Model drafting (TensorRT-LLM names: max_draft_len, use_logits)."""
 
     config: ModelConfig  # the draft model's config

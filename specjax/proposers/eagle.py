@@ -42,6 +42,7 @@ from specjax.cpu_top_k import top_log_probs
 from specjax.draft_tree import DraftTree, chain, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
+from specjax.spec_decode import ProposerBase
 
 # SafeAILab/EAGLE's default static tree (eagle/model/choices.py, "mc_sim_7b_63"): 25 nodes, depth 5.
 EAGLE_DEFAULT_TREE = (
@@ -63,7 +64,7 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class _EagleBase:
+class _EagleBase(ProposerBase):
     """State keeping shared by the EAGLE proposers; params: {"net", "embed", "lm_head"}."""
 
     config: ModelConfig  # the draft network's (hidden size and heads of the target, few layers)

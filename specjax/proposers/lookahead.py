@@ -53,6 +53,7 @@ import numpy as np
 from flax import struct
 
 from specjax.draft_tree import DraftTree
+from specjax.spec_decode import ProposerBase
 
 _HASH = np.uint32(2654435761)  # Knuth's multiplicative hash constant (2^32 / golden ratio)
 
@@ -210,7 +211,7 @@ def lookahead_tree(window, pending, cand, cand_valid, accept_window: bool = Fals
 
 
 @dataclasses.dataclass(frozen=True)
-class LookaheadProposer:
+class LookaheadProposer(ProposerBase):
     """Lookahead decoding with TensorRT-LLM's (W, N, G): max_window_size, max_ngram_size,
     max_verification_set_size (defaults 7, 5, 7). Needs no parameters (proposer_params=None)."""
 

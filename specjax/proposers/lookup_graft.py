@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from specjax.accept import acceptable_nodes
 from specjax.draft_tree import DraftTree
 from specjax.proposers.prompt_lookup import PromptLookupProposer
+from specjax.spec_decode import ProposerBase
 
 
 def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) -> DraftTree:
@@ -69,7 +70,7 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
 
 
 @dataclasses.dataclass(frozen=True)
-class LookupGraftProposer:
+class LookupGraftProposer(ProposerBase):
     """`base`'s draft tree plus `lookup`'s prompt-lookup chain (see `graft_chain`).
 
     The base proposer keeps its own state, pools and update (its update sees the accepted path
@@ -88,7 +89,7 @@ class LookupGraftProposer:
     width: int | None = None
 
     def __post_init__(self):
-        if self.base.rule != "match" or getattr(self.base, "rule_options", None):
+        if self.base.rule != "match" or self.base.rule_options:
             raise ValueError("a prompt-lookup graft needs a proposer verified with the lossless "
                              f"`match` rule, not {self.base.rule!r}")
         if self.width is not None and self.width < 2:
@@ -107,21 +108,22 @@ class LookupGraftProposer:
     def max_path_len(self) -> int:
         """The base's longest root path, or the continuation's (it shares a prefix with the
         tree and ends at most prompt_lookup_num_tokens deep)."""
-        base = getattr(self.base, "max_path_len", self.base.tree_size)
-        return max(base, self.lookup.prompt_lookup_num_tokens + 1)
+        return max(self.base.max_path_len, self.lookup.prompt_lookup_num_tokens + 1)
 
     @property
     def likely_widths(self) -> tuple[int, ...]:
         """Without a continuation of its own the lookup adds no node: the base tree alone."""
-        widths = (self.base.tree_size, *getattr(self.base, "likely_widths", ()))
+        widths = (self.base.tree_size, *self.base.likely_widths)
         return widths if self.width is None else (*widths, self.width)
 
-    def __getattr__(self, name):
-        """The base's optional attributes (needs_prompt_features, feature_layers, draft_scratch,
-        and config / variant for sharding its parameters)."""
-        if name.startswith("__") or name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
+    # The base's own optional parts (its features, scratch slots, the nodes its update reads,
+    # and what sharding its parameters needs), stated one by one.
+    needs_prompt_features = property(lambda self: self.base.needs_prompt_features)
+    feature_layers = property(lambda self: self.base.feature_layers)
+    draft_scratch = property(lambda self: self.base.draft_scratch)
+    argmax_nodes = property(lambda self: self.base.argmax_nodes)
+    config = property(lambda self: self.base.config)
+    variant = property(lambda self: self.base.variant)
 
     def make_pools(self, num_pages, page_size, dtype):
         return self.base.make_pools(num_pages, page_size, dtype)

@@ -20,6 +20,7 @@ import numpy as np
 
 from specjax.draft_tree import DraftTree, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import head_logits
+from specjax.spec_decode import ProposerBase
 
 # FasterDecoding/Medusa's default tree for 7B models: 63 nodes, depth 4, ranks up to 9.
 MC_SIM_7B_63 = (
@@ -96,7 +97,7 @@ class MedusaHeads(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaProposer:
+class MedusaProposer(ProposerBase):
     """Medusa drafting over a static `medusa_choices` tree (TensorRT-LLM's names)."""
 
     num_heads: int = 4

@@ -43,6 +43,7 @@ from specjax.draft_tree import DraftTree
 from specjax.cpu_matmul import draft_weights, take_rows
 from specjax.model import head_logits
 from specjax.sampling import kth_largest
+from specjax.spec_decode import ProposerBase
 
 LOG_0 = -50000.0  # the reference's log(0): finite, so sums and top-k stay well defined
 KIND = "redrafter"
@@ -197,7 +198,7 @@ def compact_tree(tree: DraftTree) -> DraftTree:
 # ----------------------------------------------------------------------------- proposer
 
 @dataclasses.dataclass(frozen=True)
-class ReDrafterProposer:
+class ReDrafterProposer(ProposerBase):
     """ReDrafter drafting (TensorRT-LLM's option names); params: {"drafter", "embed"}.
 
     Shape fields come from the head checkpoint; exit_dim defaults to 2 * hidden_size.

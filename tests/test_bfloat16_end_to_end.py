@@ -1,0 +1,44 @@
+"""bfloat16 end to end on CPU, as a GPU runs it: bfloat16 weights and KV pools (the pools take
+the weights' dtype), every method greedy-identical to bfloat16 vanilla decoding, and the tree
+methods also with the Pallas kernel (interpret mode) reading bfloat16 pools."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_check  # noqa: E402
+
+from kernels_pallas import use_attention_backend  # noqa: E402
+from specjax import Engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target():
+    return gpu_check.tiny_target(dtype=jnp.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def vanilla(target):
+    with use_attention_backend("xla"):
+        engine = Engine(target.params, gpu_check.TINY, num_pages=96, page_size=16)
+        assert engine.k_pages[0].dtype == jnp.bfloat16
+        return engine.generate(gpu_check.PROMPTS, 12, eos_token_ids=()).token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,method", [
+    *[("xla", m) for m in gpu_check.METHODS if m != "vanilla"],
+    ("pallas-interpret", "vanilla"), ("pallas-interpret", "eagle2"), ("pallas-interpret", "medusa"),
+])
+def test_greedy_equals_bfloat16_vanilla(target, vanilla, backend, method):
+    with use_attention_backend(backend):
+        engine = Engine(target.params, gpu_check.TINY, num_pages=96, page_size=16)
+        proposer, pparams = gpu_check.method_proposer(method, target)
+        got = engine.generate(gpu_check.PROMPTS, 12, eos_token_ids=(), proposer=proposer,
+                              proposer_params=pparams)
+    assert got.token_ids == vanilla
