@@ -33,7 +33,7 @@ def vanilla(target):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,method", [
     *[("xla", m) for m in gpu_check.METHODS if m != "vanilla"],
-    ("pallas-interpret", "vanilla"), ("pallas-interpret", "eagle2"), ("pallas-interpret", "medusa"),
+    ("pallas-interpret", "vanilla"), ("pallas-interpret", "eagle2"),
 ])
 def test_greedy_equals_bfloat16_vanilla(target, vanilla, backend, method):
     with use_attention_backend(backend):
