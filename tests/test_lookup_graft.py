@@ -15,6 +15,7 @@ from specjax.model import lm_head_weight
 from specjax.proposers import PromptLookupProposer
 from specjax.proposers.eagle import EagleDynamicProposer
 from specjax.proposers.lookup_graft import LookupGraftProposer, graft_chain
+from specjax.spec_decode import ProposerBase
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=512)
@@ -82,7 +83,7 @@ def test_grafted_paths_are_no_longer_than_max_path_len():
     """commit and update read max_path_len path nodes: no grafted node may sit deeper, whatever
     the chain shares with the tree (random chains over the tree's tokens, with and without a
     width)."""
-    class Base:  # the tree of `_tree`: its longest root path is 5 -> 7 -> 9
+    class Base(ProposerBase):  # the tree of `_tree`: its longest root path is 5 -> 7 -> 9
         tree_size, max_path_len, rule = 4, 3, "match"
 
     rng = np.random.default_rng(0)
