@@ -26,8 +26,6 @@ from pathlib import Path
 
 from specjax.prompts import PromptError, encode_prompt, read_prompt_file
 
-METHOD_HEADS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
-                "redrafter": "redrafter"}
 PEERS = ("hf-vanilla", "hf-pld", "hf-assisted")
 # Compiled programs are dropped between prompts once the process holds this share of the
 # kernel's memory-mapping limit (`mapping_share`), leaving room for one prompt's compiles
@@ -170,7 +168,7 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     from tqdm import tqdm
 
     from specjax import Engine, SamplingConfig, load_model
-    from specjax.methods import make_proposer
+    from specjax.methods import HEAD_KINDS, make_proposer
 
     sampling = sampling or SamplingConfig()
 
@@ -189,8 +187,8 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     proposers = {}
     for s in specs:
         opts = dict(s.options)
-        if s.method in METHOD_HEADS and "heads" not in opts and heads_dir is not None:
-            opts["heads"] = str(Path(heads_dir) / METHOD_HEADS[s.method])
+        if s.method in HEAD_KINDS and "heads" not in opts and heads_dir is not None:
+            opts["heads"] = str(Path(heads_dir) / HEAD_KINDS[s.method])
         proposers[s.label] = make_proposer(s.method, model, **opts)
     encoded = [encode_prompt(model.tokenizer, p["text"], raw=False) for p in prompts]
     longest = max(len(e) for e in encoded) + max_new_tokens + 128
