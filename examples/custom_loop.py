@@ -2,7 +2,7 @@
 
 specjax's `Engine.generate` runs a ready-made loop. This example writes that loop itself, as
 plain JAX: one `jax.lax.while_loop`, compiled once with `jax.jit`, whose body calls the five pure
-functions of one speculative step (DESIGN.md, "Data flow of one speculative step"):
+functions of one speculative step (docs/design.md, "One speculative step"):
 
     proposer.propose -> verify_pruned -> accept -> commit -> proposer.update
 

@@ -20,8 +20,8 @@ from specjax import Engine
 from specjax.prompts import encode_prompt
 from specjax.methods import make_proposer
 
-# Every method with settings that suit a CPU (README, "Benchmarks"); the head methods take the
-# tree sizes their shipped checkpoints recommend.
+# Every method with settings that suit a CPU (docs/benchmarks.md, "Every method"); the head
+# methods take the tree sizes their shipped checkpoints recommend.
 METHODS = {
     "vanilla": {},
     "pld": {"min_matching_ngram_size": 2},  # Prompt-Lookup: copy n-grams from the context

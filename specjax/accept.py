@@ -1,6 +1,6 @@
 """Acceptance: which drafted nodes the target keeps, and the token it adds after them.
 
-Lossless rules (DESIGN.md):
+Lossless rules (docs/design.md, "Acceptance, and why each rule is lossless"):
 - `match` (greedy, deterministic trees, chains with use_logits=False): draw y_i from the target's
   (processed) distribution at every node, or take its argmax when greedy; walk from the root into
   the child whose token equals the parent's y. For deterministic candidates this is exactly the

@@ -29,7 +29,8 @@ from specjax.prompts import PromptError, encode_prompt, read_prompt_file
 PEERS = ("hf-vanilla", "hf-pld", "hf-assisted")
 # Compiled programs are dropped between prompts once the process holds this share of the
 # kernel's memory-mapping limit (`mapping_share`), leaving room for one prompt's compiles
-# (in the README's every-method run one prompt's 17 methods added ~10-11k of the usual 65530).
+# (in the every-method run of docs/benchmarks.md one prompt's 17 methods added ~10-11k of
+# the usual 65530).
 KEEP_MAPPING_SHARE = 0.4
 
 

@@ -3,11 +3,11 @@
 A decode, verify or draft pass multiplies a handful of rows by every weight, so it is bound by
 streaming the weights from memory; XLA:CPU's GEMM packs the weight and turns compute-bound from a
 few rows on, which made a 4-token verify cost ~1.4x a decode step and capped every method's
-speedup (README, "What one verify pass costs"). The kernel reads each weight once for all rows,
-in panels of 32 rows (`PackedWeight`) streamed with prefetch, and computes each output the same
-way whatever the row count: a row's product is bit-identical in a one-token decode and in a
-T-token verify. `load_model` packs a model's weights once (`pack_params`); a plain [N, K]
-weight is packed on the way, a copy per call.
+speedup (docs/cpu.md, "Why"). The kernel reads each weight once for all rows, in panels of 32
+rows (`PackedWeight`) streamed with prefetch, and computes each output the same way whatever
+the row count: a row's product is bit-identical in a one-token decode and in a T-token verify.
+`load_model` packs a model's weights once (`pack_params`); a plain [N, K] weight is packed on
+the way, a copy per call.
 
 The kernel is built with the machine's g++ on first use (`specjax.cpu_native`) and called as an
 XLA FFI custom call. Chosen when a function is traced:

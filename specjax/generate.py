@@ -1,8 +1,9 @@
 """Batched generation: ragged prefill through the paged cache, then one jitted decode loop.
 
-Convention shared with speculative decoding (DESIGN.md): the cache holds the K/V of
-tokens[:, :length-1]; the last token, tokens[length-1], is pending and is the first token the
-next target pass reads. Prefill therefore writes prompt[:-1] and computes no logits.
+Convention shared with speculative decoding (docs/design.md, "The paged KV cache"): the cache
+holds the K/V of tokens[:, :length-1]; the last token, tokens[length-1], is pending and is the
+first token the next target pass reads. Prefill therefore writes prompt[:-1] and computes no
+logits.
 """
 
 from __future__ import annotations

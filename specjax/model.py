@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as pure functions over a pytree.
 
 Parameters are a dict with one array per weight and per layer (a list of per-layer dicts): on
-XLA:CPU, stacked [L, ...] weights under `lax.scan` ran at ~60% of the speed (DESIGN.md).
+XLA:CPU, stacked [L, ...] weights under `lax.scan` ran at ~60% of the speed
+(docs/design.md, "Model layout choices").
 Linear weights are stored [out, in] (as in PyTorch), the embedding (and an untied `lm_head`)
 [vocab, hidden]. The q/k/v projections are one [(heads + 2 * kv_heads) * head_dim, hidden] matrix
 and gate/up one [2 * intermediate, hidden] matrix: on XLA:CPU a decode step is a chain of
@@ -67,9 +68,10 @@ def linear(x, w, out_dtype=None):
 
     On XLA:CPU computed as (w @ x^T)^T: for the few rows of a decode or verify pass (2-16
     tokens) its matrix multiply runs 1.3-1.6x faster with the weight as the tall left operand
-    than as x @ w (README, Design notes; benchmarks/bench_forward_cost.py times whole passes).
-    The barrier keeps XLA from folding the transpose back into the product. A GPU gains nothing
-    from that: there (and in any program with the Pallas kernel) it is a plain product.
+    than as x @ w (docs/design.md, "Model layout choices"; benchmarks/bench_forward_cost.py
+    times whole passes). The barrier keeps XLA from folding the transpose back into the product.
+    A GPU gains nothing from that: there (and in any program with the Pallas kernel) it is a
+    plain product.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.result_type(x, w))
@@ -128,9 +130,9 @@ def head_logits(x, w):
 
     Up to 64 rows (decode, verify and draft passes) as (w @ x^T)^T, like `linear`: inside the
     target forward a 4 / 8 / 16-token verify ran 14 / 5 / 10% faster than with x @ w^T (one
-    token unchanged; README, Design notes). Larger batches (prefill, training) as x @ w^T,
-    which wins from a few hundred rows on (the 49152-row head alone: 75.6 ms against 85.1 at
-    256 rows).
+    token unchanged; docs/design.md, "Model layout choices"). Larger batches (prefill,
+    training) as x @ w^T, which wins from a few hundred rows on (the 49152-row head alone:
+    75.6 ms against 85.1 at 256 rows).
     """
     if x.size // x.shape[-1] > 64 and not isinstance(w, PackedWeight):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)

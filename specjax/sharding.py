@@ -1,6 +1,6 @@
 """Tensor and data parallelism over a device mesh ("data", "model"), on one host or several.
 
-Megatron-style placement (DESIGN.md, "Sharding"):
+Megatron-style placement (docs/gpu.md, "Several GPUs", has the outline; the detail is here):
 - q/k/v and gate/up are column-parallel, `P(None, "model")`, o/down row-parallel,
   `P("model", None)`: each device holds whole heads (q heads h with h // G among its own KV
   heads, as the attention's [KVH, G] grouping needs) and 1/tp of the MLP, and XLA adds one

@@ -45,8 +45,9 @@ def verify(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree, *,
 def padded_width(tree_size: int) -> int:
     """The width a whole tree is verified at: with XLA's matrix products 5-7 nodes as 8 and 9-15
     as 16, because XLA:CPU's products over such row counts cost more than over 8 or 16 rows
-    (measured at 5-7, 9, 10 and 12: README, "What one verify pass costs"; padding costs little
-    on a GPU). The CPU kernel of `specjax.cpu_matmul` has no such steps: trees run as they are."""
+    (measured at 5-7, 9, 10 and 12, timings not kept in docs/; the rule: docs/design.md,
+    "Kernel dispatch"; padding costs little on a GPU). The CPU kernel of `specjax.cpu_matmul`
+    has no such steps: trees run as they are."""
     if kernel_in_use():
         return tree_size
     return 8 if 4 < tree_size < 8 else 16 if 8 < tree_size < 16 else tree_size

@@ -1,4 +1,5 @@
-"""The `specjax` command (CLI contract of DESIGN.md), on tiny random models from conftest."""
+"""The `specjax` command (its contract: README.md, "Command line"), on tiny random models from
+conftest."""
 
 from __future__ import annotations
 

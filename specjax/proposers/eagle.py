@@ -14,11 +14,11 @@ are the draft's top tokens, a deterministic function of the context):
   of highest cumulative draft log-probability are expanded by their `top_k` best tokens; at the end
   the `total_tokens - 1` best of all candidates form the tree (SafeAILab/EAGLE's topK_generate).
 
-`min_prob` drops the nodes whose cumulative draft probability is below it: on a
-CPU a verify pass costs more the more tokens it holds (README, verify cost), so a step whose
-drafts are unlikely to pass runs narrower (`verify_pruned`), down to a plain decode step, like
-Hugging Face's `assistant_confidence_threshold`. EAGLE-2 orders its nodes best first, so the kept
-ones are a prefix of the tree.
+`min_prob` drops the nodes whose cumulative draft probability is below it: on a CPU a verify
+pass costs more the more tokens it holds (docs/benchmarks.md, "What one verify pass costs"), so
+a step whose drafts are unlikely to pass runs narrower (`verify_pruned`), down to a plain decode
+step, like Hugging Face's `assistant_confidence_threshold`. EAGLE-2 orders its nodes best
+first, so the kept ones are a prefix of the tree.
 
 Tree nodes drafted over several calls sit in draft-cache scratch slots after the committed pairs;
 each call attends to its ancestors there through a mask over those slots.
