@@ -1,5 +1,6 @@
-"""The README's every-method table: each method with the shipped heads and CPU settings, and
-the head methods again with prompt lookup grafted onto their trees, on the same dev prompts.
+"""The every-method table of docs/benchmarks.md: each method with the shipped heads and CPU
+settings, and the head methods again with prompt lookup grafted onto their trees, on the same
+dev prompts.
 
     python benchmarks/bench_methods.py --out runs/bench_methods --limit 6
 
