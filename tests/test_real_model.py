@@ -114,3 +114,23 @@ def test_head_methods_greedy_equals_vanilla(smol, method, options, tmp_path):
     spec = eng.generate(encoded, 48, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
     for prompt, want, got in zip(encoded, vanilla.token_ids, spec.token_ids):
         assert_same_or_near_tie(smol, prompt, want, got)
+
+
+@pytest.mark.slow
+def test_methods_without_options_run_the_documented_defaults(smol):
+    """`specjax generate --method M` on the embedded model builds what the README and
+    docs/methods.md call M's default on a CPU: the shipped heads' recommended settings."""
+    from specjax.methods import make_proposer
+    from specjax.proposers.eagle import EagleDynamicProposer
+    from specjax.proposers.lookup_graft import LookupGraftProposer
+
+    eagle2, params = make_proposer("eagle2", smol)
+    assert isinstance(eagle2, EagleDynamicProposer) and not isinstance(eagle2, LookupGraftProposer)
+    assert (eagle2.total_tokens, eagle2.depth, eagle2.top_k) == (4, 2, 2)  # no lookup graft
+    assert params["lm_head"].shape[0] == params["draft_ids"].shape[0] == 4096
+    eagle3, _ = make_proposer("eagle3", smol)
+    assert (eagle3.total_tokens, eagle3.depth, eagle3.top_k) == (4, 2, 2)
+    medusa, _ = make_proposer("medusa", smol)
+    assert medusa.medusa_choices == ((0,), (1,), (0, 0)) and medusa.min_prob == 0.3
+    redrafter, _ = make_proposer("redrafter", smol)
+    assert (redrafter.num_beams, redrafter.draft_len_per_beam) == (1, 3)
