@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import (attention_backend, attention_with_new_rows, on_cpu_path, paged_attention,
-                            unwritten_keys_mask,
-                            uses_pallas, visible_keys_mask, write_paged_kv)
 import specjax.cpu_attention as cpu_attention
+from kernels_pallas import (attention_backend, attention_with_new_rows, on_cpu_path,
+                            paged_attention, unwritten_keys_mask, uses_pallas, visible_keys_mask,
+                            write_paged_kv)
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.cpu_activation import swiglu
@@ -79,7 +79,8 @@ def linear(x, w, out_dtype=None):
         return rows_matmul(x2, w).reshape(*lead, w.shape[0])
     if not on_cpu_path():
         w = as_array(w).astype(x2.dtype)
-        return jnp.einsum("nk,ok->no", x2, w, preferred_element_type=out_dtype).reshape(*lead, w.shape[0])
+        y = jnp.einsum("nk,ok->no", x2, w, preferred_element_type=out_dtype)
+        return y.reshape(*lead, w.shape[0])
     return _columns(x2, as_array(w), out_dtype).T.reshape(*lead, w.shape[0])
 
 
