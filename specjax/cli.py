@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-from specjax.methods import METHODS
+from specjax.method_configs import METHODS, MethodError
+from specjax.methods import as_flags
 from specjax.prompts import encode_prompt, read_prompt_file  # noqa: F401  (encode_prompt: public here)
 
 
@@ -55,19 +56,23 @@ def _add_generate(sub):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     d = p.add_argument_group("draft (Draft-Target-Model)")
-    d.add_argument("--max-draft-len", type=int, default=4, help="tokens drafted per step")
+    d.add_argument("--max-draft-len", type=int, default=None, help="tokens drafted per step "
+                   "(default 4)")
     d.add_argument("--use-logits", action="store_true",
                    help="accept by min(1, p/q) with the draft's probabilities (else token match)")
     d.add_argument("--draft-layers", type=int, default=None,
                    help="self-draft from the target's first N layers (default 8)")
     d.add_argument("--draft-model", default=None, help="a draft model (name, dir or .gguf)")
     k = p.add_argument_group("pld (Prompt-Lookup)")
-    k.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
-    k.add_argument("--max-matching-ngram-size", type=int, default=3)
+    k.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="(default 10)")
+    k.add_argument("--max-matching-ngram-size", type=int, default=None, help="(default 3)")
     k.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
                    help="medusa, eagle methods, redrafter: also draft the prompt-lookup "
                         "continuation (up to N tokens, n-grams of --min/--max-matching-ngram-"
-                        "size) grafted onto the tree, verified in the same pass")
+                        "size) grafted onto the tree, verified in the same pass (default: the "
+                        "heads' decoding_defaults)")
+    k.add_argument("--no-lookup", action="store_true",
+                   help="head methods: no prompt-lookup graft, even where the heads recommend one")
     k.add_argument("--lookup-width", type=int, default=None, metavar="W",
                    help="with --lookup-tokens: verify a step with a continuation at most W "
                         "wide, the tree's last (lowest-ranked) nodes giving way to its tokens")
@@ -80,7 +85,7 @@ def _add_generate(sub):
     md.add_argument("--posterior-threshold", type=float, default=None,
                     help="typical acceptance (LOSSY: output no longer follows the model's "
                          "distribution; Medusa uses 0.09); sampling only")
-    md.add_argument("--posterior-alpha", type=float, default=0.3)
+    md.add_argument("--posterior-alpha", type=float, default=None, help="(default 0.3)")
     e = p.add_argument_group("eagle, eagle2, eagle3 (EAGLE-1 static tree; EAGLE-2 and EAGLE-3 "
                              "dynamic trees; --heads)")
     e.add_argument("--eagle-choices", default=None,
@@ -110,17 +115,19 @@ def _add_generate(sub):
                    help="tokens each beam drafts (default: the heads' recommendation, else 5)")
     r.add_argument("--redrafter-no-greedy-search", action="store_true",
                    help="sample the beams at the request's temperature instead of beam search")
-    r.add_argument("--redrafter-warp-top-k", type=int, default=50,
-                   help="beam search keeps the drafter's K best tokens per step (0: all)")
+    r.add_argument("--redrafter-warp-top-k", type=int, default=None,
+                   help="beam search keeps the drafter's K best tokens per step (0: all; "
+                        "default 50)")
     la = p.add_argument_group("lookahead (Jacobi window + n-gram pool)")
-    la.add_argument("--lookahead", default="7,5,7", metavar="W,N,G",
+    la.add_argument("--lookahead", default=None, metavar="W,N,G",
                     help="max_window_size, max_ngram_size, max_verification_set_size "
                          "(TensorRT-LLM's names; default 7,5,7)")
     la.add_argument("--lookahead-accept-window", action="store_true",
                     help="also accept the window's own chains from the pending token (Jacobi "
                          "decoding's acceptance; off in the references)")
-    k.add_argument("--min-matching-ngram-size", type=int, default=1,
-                   help="shortest n-gram to match (2 suits CPUs, where verifying costs more)")
+    k.add_argument("--min-matching-ngram-size", type=int, default=None,
+                   help="shortest n-gram to match (default 1, or the heads' decoding_defaults "
+                        "for a graft; 2 suits CPUs, where verifying costs more)")
     par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through "
                                "jax.distributed)")
     par.add_argument("--tp", type=int, default=1,
@@ -164,15 +171,46 @@ def _validate_generate(args):
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.page_size < 1:
         raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
-    if args.max_draft_len < 1:
-        raise UsageError(f"--max-draft-len must be >= 1, got {args.max_draft_len}")
-    if args.prompt_lookup_num_tokens < 1:
-        raise UsageError(f"--prompt-lookup-num-tokens must be >= 1, got {args.prompt_lookup_num_tokens}")
-    args.lookahead_wng = parse_lookahead(args.lookahead)
-    if not 1 <= args.min_matching_ngram_size <= args.max_matching_ngram_size:
+    for flag in ("max_draft_len", "prompt_lookup_num_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    args.lookahead_wng = None if args.lookahead is None else parse_lookahead(args.lookahead)
+    low = 1 if args.min_matching_ngram_size is None else args.min_matching_ngram_size
+    high = 3 if args.max_matching_ngram_size is None else args.max_matching_ngram_size
+    if not 1 <= low <= high:
         raise UsageError("n-gram sizes must satisfy 1 <= --min-matching-ngram-size <= "
-                         f"--max-matching-ngram-size, got {args.min_matching_ngram_size} and "
-                         f"{args.max_matching_ngram_size}")
+                         f"--max-matching-ngram-size, got {low} and {high}")
+
+
+# flags of `specjax generate` that are method options of the same name (`method_configs`)
+METHOD_FLAGS = ("max_draft_len", "draft_layers", "draft_model", "prompt_lookup_num_tokens",
+                "max_matching_ngram_size", "min_matching_ngram_size", "lookup_tokens",
+                "lookup_width", "heads", "posterior_threshold", "posterior_alpha",
+                "eagle_total_tokens", "eagle_depth", "eagle_top_k", "eagle_draft_vocab",
+                "min_draft_prob", "redrafter_num_beams", "redrafter_draft_len_per_beam")
+
+
+def method_config_of(args):
+    """The method config of `specjax generate`'s flags: the options the user gave, the rest
+    left to the config's defaults and the heads' recommendations."""
+    from specjax.method_configs import method_config
+
+    options = {k: getattr(args, k) for k in METHOD_FLAGS if getattr(args, k) is not None}
+    for flag in ("use_logits", "lookahead_accept_window", "no_lookup"):
+        if getattr(args, flag):
+            options[flag] = True
+    if args.redrafter_no_greedy_search:
+        options["redrafter_greedy_search"] = False
+    if args.redrafter_warp_top_k is not None:
+        options["redrafter_warp_top_k"] = args.redrafter_warp_top_k or None
+    if args.lookahead_wng is not None:
+        options["lookahead"] = args.lookahead_wng
+    if args.medusa_choices is not None:
+        options["medusa_choices"] = _parse_choices(args.medusa_choices)
+    if args.eagle_choices is not None:
+        options["eagle_choices"] = _parse_choices(args.eagle_choices, "--eagle-choices")
+    return method_config(args.method, **options)
 
 
 def parse_lookahead(text: str) -> tuple[int, int, int]:
@@ -233,6 +271,7 @@ def _parallel_mesh(args):
 def cmd_generate(args) -> int:
     _validate_generate(args)
     texts = read_prompts(args)
+    method_config_of(args)  # options that do not fit the method fail before any loading
     mesh = _parallel_mesh(args)
     from specjax.generate import Engine, bucket
     from specjax.loading import load_model
@@ -240,23 +279,7 @@ def cmd_generate(args) -> int:
     from specjax.spec_decode import scratch_slots
 
     model = load_model(args.model, mesh=mesh)
-    proposer, proposer_params = make_proposer(
-        args.method, model, max_draft_len=args.max_draft_len, use_logits=args.use_logits,
-        draft_layers=args.draft_layers, draft_model=args.draft_model,
-        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-        max_matching_ngram_size=args.max_matching_ngram_size,
-        min_matching_ngram_size=args.min_matching_ngram_size, heads=args.heads,
-        medusa_choices=_parse_choices(args.medusa_choices),
-        posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
-        eagle_choices=_parse_choices(args.eagle_choices, "--eagle-choices"),
-        eagle_total_tokens=args.eagle_total_tokens, eagle_depth=args.eagle_depth,
-        eagle_top_k=args.eagle_top_k, eagle_draft_vocab=args.eagle_draft_vocab,
-        min_draft_prob=args.min_draft_prob, redrafter_num_beams=args.redrafter_num_beams,
-        redrafter_draft_len_per_beam=args.redrafter_draft_len_per_beam,
-        redrafter_greedy_search=not args.redrafter_no_greedy_search,
-        redrafter_warp_top_k=args.redrafter_warp_top_k or None, lookahead=args.lookahead_wng,
-        lookahead_accept_window=args.lookahead_accept_window, lookup_tokens=args.lookup_tokens,
-        lookup_width=args.lookup_width)
+    proposer, proposer_params = make_proposer(method_config_of(args), model)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))
@@ -372,6 +395,8 @@ def main(argv=None) -> int:
         if args.debug or os.environ.get("SPECJAX_DEBUG"):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, MethodError):
+            msg = as_flags(msg)  # options are named as this command's flags
         print(f"specjax: error: {msg}", file=sys.stderr)
         return 1
 

@@ -119,18 +119,36 @@ def test_head_methods_greedy_equals_vanilla(smol, method, options, tmp_path):
 @pytest.mark.slow
 def test_methods_without_options_run_the_documented_defaults(smol):
     """`specjax generate --method M` on the embedded model builds what the README and
-    docs/methods.md call M's default on a CPU: the shipped heads' recommended settings."""
+    docs/methods.md call M's default on a CPU: the shipped heads' recommended settings, a
+    prompt-lookup graft of 5 tokens (n-grams of 2 or 3) included; `no_lookup` drops the graft."""
+    from specjax.method_configs import EagleConfig
     from specjax.methods import make_proposer
     from specjax.proposers.eagle import EagleDynamicProposer
     from specjax.proposers.lookup_graft import LookupGraftProposer
 
+    def graft_of(proposer):
+        assert isinstance(proposer, LookupGraftProposer)
+        lookup = proposer.lookup
+        assert (lookup.prompt_lookup_num_tokens, lookup.min_matching_ngram_size,
+                lookup.max_matching_ngram_size, proposer.width) == (5, 2, 3, None)
+        return proposer.base
+
     eagle2, params = make_proposer("eagle2", smol)
-    assert isinstance(eagle2, EagleDynamicProposer) and not isinstance(eagle2, LookupGraftProposer)
-    assert (eagle2.total_tokens, eagle2.depth, eagle2.top_k) == (4, 2, 2)  # no lookup graft
+    base = graft_of(eagle2)
+    assert isinstance(base, EagleDynamicProposer)
+    assert (base.total_tokens, base.depth, base.top_k) == (4, 2, 2)
     assert params["lm_head"].shape[0] == params["draft_ids"].shape[0] == 4096
+    assert make_proposer(EagleConfig(), smol)[0] == eagle2  # the config and the name agree
+    plain, _ = make_proposer("eagle2", smol, no_lookup=True)
+    assert plain == base
+    eagle, _ = make_proposer("eagle", smol)
+    assert graft_of(eagle).eagle_choices == ((0,), (1,), (0, 0))
     eagle3, _ = make_proposer("eagle3", smol)
+    eagle3 = graft_of(eagle3)
     assert (eagle3.total_tokens, eagle3.depth, eagle3.top_k) == (4, 2, 2)
     medusa, _ = make_proposer("medusa", smol)
+    medusa = graft_of(medusa)
     assert medusa.medusa_choices == ((0,), (1,), (0, 0)) and medusa.min_prob == 0.3
     redrafter, _ = make_proposer("redrafter", smol)
+    redrafter = graft_of(redrafter)
     assert (redrafter.num_beams, redrafter.draft_len_per_beam) == (1, 3)
