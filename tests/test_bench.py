@@ -171,21 +171,6 @@ def test_forward_cost_benchmark_on_a_tiny_model():
     assert "| 4 |" in mod.markdown(rows, 20)
 
 
-def test_cpu_matmul_ab_table_averages_repeats_per_arm():
-    """benchmarks/ab_cpu_matmul.py: each arm's repeats are averaged, the gain is kernel / XLA."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_cpu_matmul.py"
-    spec = importlib.util.spec_from_file_location("ab_cpu_matmul", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rows = [{"arm": arm, "category": "math", "method": "eagle2", "tokens_per_s": tps,
-             "speedup_vs_vanilla": sp} for arm, tps, sp in
-            [("xla", 30.0, 1.4), ("kernel", 45.0, 1.6), ("xla", 34.0, 1.6), ("kernel", 51.0, 1.8)]]
-    assert "| math | `eagle2` | 32.00 | 48.00 | 1.50x | 1.50x | 1.70x |" in mod.markdown(rows)
-
-
 def test_step_profile_attributes_ops_to_phases(tmp_path):
     """benchmarks/profile_step.py reads each op's phase from the optimized HLO's op_name."""
     import importlib.util

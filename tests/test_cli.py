@@ -1,4 +1,4 @@
-"""The `specjax` command (its contract: README.md, "Command line"), on tiny random models from
+"""The `specjax` command (its output, options and one-line errors), on tiny random models from
 conftest."""
 
 from __future__ import annotations

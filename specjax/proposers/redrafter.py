@@ -1,7 +1,7 @@
 """ReDrafter (Apple's Recurrent Drafter): an RNN over draft tokens plus one LM head, beam search,
 and the beams merged into one prefix tree.
 
-The drafter (apple/ml-recurrent-drafter, recurrent_drafting/modeling_drafter.py and
+The drafter (in apple/ml-recurrent-drafter: its recurrent_drafting/modeling_drafter.py and
 docs/drafter.md) reads the target's final normed hidden state h of the token that predicted the
 pending token g_0 (`SpecContext.hidden`) and keeps a state per beam:
 
