@@ -12,9 +12,11 @@ loop does not have, both computed on device inside the loop (no host callbacks):
     newline), at EOS, or after --max-new-tokens tokens;
   * a metric carried through the loop: a histogram of how many drafted tokens each step accepted.
 
-The method is EAGLE-2 on the embedded SmolLM2-135M with the heads that ship in specjax/shipped_heads/.
-Decoding is greedy, so the tokens equal `specjax generate --method eagle2` cut after the first
-line (tests/test_examples.py checks exactly that).
+The method is EAGLE-2 on the embedded SmolLM2-135M, with the heads that ship in
+specjax/shipped_heads/ and their recommended setting (prompt lookup grafted on). Every piece
+comes from the public namespace `specjax.spec`. Decoding is greedy, so the tokens equal
+`specjax generate --method eagle2` cut after the first line (tests/test_examples.py checks
+exactly that).
 
     python examples/custom_loop.py --prompt "Write a short poem about the sea."
     python examples/custom_loop.py --smoke          # few tokens (also SPECJAX_EXAMPLES_SMOKE=1)
@@ -34,16 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax.accept import accept
-from specjax.cache import PagedKVCache, init_pages, pages_needed
-from specjax.prompts import encode_prompt
-from specjax.commit import commit
-from specjax.generate import bucket, prefill
-from specjax.methods import make_proposer
+from specjax import spec
 from specjax.sampling import SamplingConfig
-from specjax.spec_decode import (SpecContext, appended_tokens, init_proposer, nodes_argmax,
-                                 scratch_slots)
-from specjax.verify import verify_pruned
 
 SMOKE = os.environ.get("SPECJAX_EXAMPLES_SMOKE") == "1"
 
@@ -55,7 +49,7 @@ class Carry(NamedTuple):
     lengths: jax.Array  # int32[B]: tokens so far; tokens[length - 1] is "pending" (see below)
     prompt_lengths: jax.Array  # int32[B]
     done: jax.Array  # bool[B]
-    cache: PagedKVCache  # the target's KV cache: K/V of tokens[:, :length - 1]
+    cache: spec.PagedKVCache  # the target's KV cache: K/V of tokens[:, :length - 1]
     features: jax.Array  # float[B, D]: target hidden state that predicted the pending token
     drafter: Any  # the proposer's own state (EAGLE: its draft network's KV cache)
     keys: jax.Array  # one PRNG key per sequence (used only when sampling)
@@ -73,24 +67,25 @@ def start(model, proposer, drafter_params, prompts, max_new_tokens, seed=0, page
     lens = np.array([len(p) for p in prompts], np.int32)
     # A paged KV cache of our own: sequence i owns pages i*n .. i*n + n - 1. Room for the prompt,
     # the answer and the draft tree's scratch slots (verify writes the tree after the prefix).
-    n = pages_needed(bucket(int(lens.max()) + max_new_tokens + scratch_slots(proposer)), page_size)
-    k_pages, v_pages = init_pages(config, b * n, page_size, dtype)
+    longest = int(lens.max()) + max_new_tokens + spec.scratch_slots(proposer)
+    n = spec.pages_needed(spec.bucket(longest), page_size)
+    k_pages, v_pages = spec.init_pages(config, b * n, page_size, dtype)
     table = jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
-    cache = PagedKVCache(k_pages, v_pages, table, jnp.zeros(b, jnp.int32))
+    cache = spec.PagedKVCache(k_pages, v_pages, table, jnp.zeros(b, jnp.int32))
     # specjax's convention: the cache holds every token but the last one, which is "pending" and
     # is the first input of the next target pass. So prefill writes prompt[:-1].
     tokens = np.zeros((b, n * page_size + 1), np.int32)
-    chunk = np.zeros((b, bucket(int(lens.max()) - 1)), np.int32)
+    chunk = np.zeros((b, spec.bucket(int(lens.max()) - 1)), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
         chunk[i, :len(p) - 1] = p[:-1]
     feature_layers = tuple(proposer.feature_layers)  # EAGLE-3 reads 3 layers
-    cache, features, prompt_hidden = prefill(model.params, config, cache, chunk, lens - 1,
-                                             feature_layers)
+    cache, features, prompt_hidden = spec.prefill(model.params, config, cache, chunk, lens - 1,
+                                                  feature_layers)
     # The drafter reads the prompt's features once (EAGLE fills its own draft KV cache).
-    ctx = SpecContext(tokens, lens, cache.block_tables, features, prompt_hidden=prompt_hidden)
+    ctx = spec.SpecContext(tokens, lens, cache.block_tables, features, prompt_hidden=prompt_hidden)
     pools = proposer.make_pools(b * n, page_size, dtype)
-    drafter = init_proposer(proposer, drafter_params, pools, ctx, chunk, lens - 1)
+    drafter = spec.init_proposer(proposer, drafter_params, pools, ctx, chunk, lens - 1)
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(seed, seed + b))
     return Carry(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(lens), jnp.zeros(b, bool),
                  cache, features, drafter, keys, jnp.zeros(b, jnp.int32),
@@ -113,22 +108,23 @@ def decode(params, config, proposer, drafter_params, sampling, carry: Carry, sto
     def step(c: Carry) -> Carry:
         active = ~c.done
         # 1. Propose: a draft tree per sequence; node 0 is the pending token.
-        ctx = SpecContext(c.tokens, c.lengths, c.cache.block_tables, c.features)
+        ctx = spec.SpecContext(c.tokens, c.lengths, c.cache.block_tables, c.features)
         tree, drafter = proposer.propose(drafter_params, c.drafter, ctx, step_keys(c, 1), sampling)
         # 2. Verify: ONE target forward pass over every node of every tree (tree attention mask).
-        logits, hidden, cache = verify_pruned(params, config, c.cache, tree,
-                                              proposer.feature_layers,
-                                              proposer.likely_widths)
+        logits, hidden, cache = spec.verify_pruned(params, config, c.cache, tree,
+                                                   proposer.feature_layers,
+                                                   proposer.likely_widths)
         # 3. Accept: the longest root path whose tokens the target agrees with (lossless), and
         #    the target's own next token after it.
-        result = accept(tree, logits, step_keys(c, 2), sampling, proposer.rule,
-                        **proposer.rule_options)
+        result = spec.accept(tree, logits, step_keys(c, 2), sampling, proposer.rule,
+                             **proposer.rule_options)
         # 4. Commit: keep the accepted nodes' K/V in the cache, drop the rest of the tree.
-        cache = commit(cache, result.path, result.n_accepted, active, is_chain=proposer.is_chain)
+        cache = spec.commit(cache, result.path, result.n_accepted, active,
+                            is_chain=proposer.is_chain)
 
         # Our stop rule. `new` holds the step's n accepted drafts, then the target's next token;
         # keep them up to the budget, and up to (including) the first stop token.
-        new = appended_tokens(tree, result)  # int32[B, T]
+        new = spec.appended_tokens(tree, result)  # int32[B, T]
         pos = jnp.arange(new.shape[1])[None, :]
         budget = max_new_tokens - (c.lengths - c.prompt_lengths)
         keep = jnp.minimum(result.n_accepted + 1, budget)
@@ -146,8 +142,9 @@ def decode(params, config, proposer, drafter_params, sampling, carry: Carry, sto
         deepest = result.path[rows, result.n_accepted]
         features = jnp.where(active[:, None], hidden[rows, deepest], c.features)
         path_hidden = jnp.take_along_axis(hidden, result.path[:, :, None], axis=1)
-        ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden,
-                          node_argmax=nodes_argmax(proposer, logits))  # Lookahead reads it
+        node_argmax = spec.nodes_argmax(proposer, logits)  # Lookahead reads it
+        ctx = spec.SpecContext(tokens, lengths, cache.block_tables, features, path_hidden,
+                               node_argmax=node_argmax)
         drafter = proposer.update(drafter_params, drafter, ctx, result, active)
 
         # Our metric, kept in the carry: how many drafted tokens each step accepted.
@@ -176,10 +173,10 @@ def main():
 
     model = specjax.load_model(args.model)
     tok = model.tokenizer
-    proposer, drafter_params = make_proposer(args.method, model)  # shipped heads, CPU-tuned tree
+    proposer, drafter_params = spec.make_proposer(args.method, model)  # shipped heads' setting
     if proposer is None:
         raise SystemExit("this loop is speculative: pick a method other than vanilla")
-    prompts = [encode_prompt(tok, t, raw=False) for t in texts]  # chat template, as the CLI
+    prompts = [spec.encode_prompt(tok, t, raw=False) for t in texts]  # chat template, as the CLI
     stop = list(model.config.eos_token_ids)
     if not args.no_line_stop:  # every token whose text contains a newline ends the first line
         pieces = tok.batch_decode([[i] for i in range(model.config.vocab_size)])
