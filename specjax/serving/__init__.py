@@ -1,0 +1,1 @@
+"""Serving: the online scheduler (continuous batching for every method) and the HTTP server."""

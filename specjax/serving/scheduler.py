@@ -1,0 +1,448 @@
+"""Online continuous batching for every method: requests arrive at any time; between steps the
+loop admits them into free slots, hands new tokens to their streams and frees finished or
+cancelled ones.
+
+One thread owns the engine and runs a fixed batch of `max_batch` slots. Each round it admits
+queued requests into free slots (their prompts prefilled as one group, the proposer's state
+initialised for those rows alone and merged into the batch's), then runs up to `sync_steps`
+decoding steps in one jitted loop (fewer when a sequence finishes, so its slot frees at once),
+and hands each request the tokens it gained. Every sequence drafts, verifies and accepts its own
+tokens, as in `Engine.generate`; each keeps its own PRNG key, folded with its length every step,
+so an answer depends on its prompt, seed and sampling settings alone, never on its neighbours.
+
+One batch runs one `SamplingConfig` (it is compiled into the step): a request whose settings
+differ from the running ones waits until those finish (first come, first served).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import queue
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.batching import DecodeState, bucket
+from specjax.cache import CacheFullError, PagedKVCache, block_table_array
+from specjax.continuous import _resize
+from specjax.generate import decode_step, prefill
+from specjax.sampling import SamplingConfig
+from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_step
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's queue holds `max_queue` requests already."""
+
+
+class RequestError(ValueError):
+    """A request that can never run (empty prompt, longer than the context or the cache)."""
+
+
+@dataclasses.dataclass
+class Finished:
+    """The last event of a request: why it ended ("stop": EOS, "length": max_new_tokens,
+    "cancelled", "error" with a message)."""
+
+    reason: str
+    message: str = ""
+
+
+@dataclasses.dataclass
+class Handle:
+    """A submitted request: its events (lists of new token ids, then one `Finished`) arrive in
+    `events`, and `notify(event)` is called with each (from the scheduler's thread)."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    seed: int
+    notify: Callable | None = None
+    events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    steps: int = 0  # target passes the request took part in
+    accepted_draft_tokens: int = 0  # drafted tokens the target accepted
+    draft_tokens: int = 0  # drafted tokens verified (tree nodes past the root, every step)
+    finished: Finished | None = None
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Stop generating: the slot and its pages free at the next step boundary."""
+        self.cancelled = True
+
+    def _emit(self, event) -> None:
+        if isinstance(event, Finished):
+            self.finished = event
+        elif self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.events.put(event)
+        if self.notify is not None:
+            self.notify(event)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Block until the request ends; its new tokens (raises on an error)."""
+        while self.finished is None:
+            self.events.get(timeout=timeout)
+        if self.finished.reason == "error":
+            raise RequestError(self.finished.message)
+        return self.tokens
+
+
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "max_steps"),
+                   donate_argnames=("state",))
+def advance(params, config, proposer, proposer_params, sampling, state, limits, eos_ids,
+            max_steps: int):
+    """Up to `max_steps` steps of every unfinished slot, stopping after a step in which a slot
+    finished. limits: int32[B], each slot's max_new_tokens."""
+    done_before = jnp.sum(state.done)
+
+    def go_on(carry):
+        i, st = carry
+        return (i < max_steps) & jnp.any(~st.done) & (jnp.sum(st.done) == done_before)
+
+    def step(carry):
+        i, st = carry
+        if proposer is None:
+            return i + 1, decode_step(params, config, sampling, st, limits, eos_ids)
+        return i + 1, spec_step(params, config, proposer, proposer_params, sampling, st, limits,
+                                eos_ids)
+
+    return jax.lax.while_loop(go_on, step, (jnp.int32(0), state))[1]
+
+
+class Scheduler:
+    """Serves requests through `engine` with `proposer` (None: vanilla decoding).
+
+    submit() queues a request and returns its Handle; start() runs the loop on a thread;
+    stop(drain=True) finishes what was submitted, then stops. The engine's pools belong to the
+    scheduler while it runs.
+    """
+
+    def __init__(self, engine, proposer=None, proposer_params=None, *, max_batch: int = 8,
+                 max_queue: int = 256, sync_steps: int = 4, admit_group: int = 4,
+                 eos_token_ids=None):
+        if engine.mesh is not None:
+            raise ValueError("the scheduler runs on one device (no mesh) for now")
+        if max_batch < 1 or sync_steps < 1 or admit_group < 1:
+            raise ValueError("max_batch, sync_steps and admit_group must be >= 1")
+        self.engine, self.proposer = engine, proposer
+        self.proposer_params = proposer_params
+        self.max_batch, self.max_queue, self.sync_steps = max_batch, max_queue, sync_steps
+        self.group = min(admit_group, max_batch)
+        eos = engine.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+        self.eos = tuple(int(t) for t in eos)
+        self.scratch = scratch_slots(proposer)
+        self._ids = itertools.count()
+        self._queue: list[Handle] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._drain = True
+        self._thread: threading.Thread | None = None
+        self.owner: list[Handle | None] = [None] * max_batch
+        self.pages: list[list[int]] = [[] for _ in range(max_batch)]
+        self.emitted = [0] * max_batch  # tokens of each slot handed out (prompt included)
+        self.sampling: SamplingConfig | None = None  # the running batch's settings
+        self.stats = dict(requests=0, finished=0, cancelled=0, errors=0, new_tokens=0, steps=0,
+                          step_seconds=0.0, rounds=0, accepted_draft_tokens=0)
+        self.error: BaseException | None = None
+
+    # ---- the client side (any thread) -------------------------------------------------
+    def submit(self, prompt, max_new_tokens: int, *, sampling: SamplingConfig = SamplingConfig(),
+               seed: int = 0, notify: Callable | None = None) -> Handle:
+        """Queue a request (raises QueueFull, or RequestError for one that can never run)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        need = len(prompt) + max_new_tokens + self.scratch
+        if len(prompt) + max_new_tokens > self.engine.max_context:
+            raise RequestError(f"prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} "
+                               f"exceeds the model's context of {self.engine.max_context} tokens")
+        if -(-need // self.engine.page_size) > self.engine.allocator.num_pages:
+            raise RequestError(f"prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} "
+                               f"needs more KV cache pages than the server has "
+                               f"({self.engine.allocator.num_pages})")
+        handle = Handle(next(self._ids), prompt, int(max_new_tokens), sampling, int(seed), notify)
+        with self._cv:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are queued already")
+            self._queue.append(handle)
+            self.stats["requests"] += 1
+            self._cv.notify()
+        return handle
+
+    def generate(self, prompt, max_new_tokens: int, **options) -> Handle:
+        """submit() and wait for the answer (the loop must be running)."""
+        handle = self.submit(prompt, max_new_tokens, **options)
+        handle.result()
+        return handle
+
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def busy(self) -> int:
+        return sum(h is not None for h in self.owner)
+
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._run, name="specjax-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with drain, finish the queued and running ones first (else
+        cancel them). Returns when the loop has ended."""
+        with self._cv:
+            self._stopping, self._drain = True, drain
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the loop (the scheduler's thread) -----------------------------------------------
+    def _run(self) -> None:
+        state = None
+        try:
+            state = self._empty_state()
+            while True:
+                with self._cv:
+                    while not self._queue and not self.busy() and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping and not self._drain:
+                        for h in self._queue:
+                            h.cancel()
+                        for h in self.owner:
+                            if h is not None:
+                                h.cancel()
+                    if self._stopping and not self._queue and not self.busy():
+                        break
+                state = self._drop_cancelled(state)
+                state = self._admit(state)
+                if self.busy():
+                    state = self._advance(state)
+        except BaseException as e:  # a failed device call: every request learns why
+            self.error = e
+            with self._cv:
+                waiting, self._queue = self._queue, []
+            for h in waiting + [h for h in self.owner if h is not None]:
+                if h.finished is None:
+                    h._emit(Finished("error", f"{type(e).__name__}: {e}"))
+            self.stats["errors"] += 1
+            self.engine._reset_pools()
+            return
+        finally:
+            if state is not None and self.error is None:
+                self._give_back(state)
+
+    def _give_back(self, state) -> None:
+        engine = self.engine
+        for s in range(self.max_batch):
+            if self.owner[s] is not None:
+                self._release(s)
+        engine.k_pages, engine.v_pages = state.cache.k_pages, state.cache.v_pages
+        if self.proposer is not None:
+            engine._proposer_pools[self.proposer] = self.proposer.pools_of(state.proposer_state)
+
+    def _empty_state(self):
+        """Every slot free (done, its table on the sink page)."""
+        engine, b = self.engine, self.max_batch
+        sink = engine.allocator.num_pages
+        cache = PagedKVCache(engine.k_pages, engine.v_pages, jnp.full((b, 1), sink, jnp.int32),
+                             jnp.zeros((b,), jnp.int32))
+        engine.k_pages = engine.v_pages = None  # the loop owns them until _give_back
+        common = dict(tokens=jnp.zeros((b, engine.page_size + 1), jnp.int32),
+                      lengths=jnp.ones((b,), jnp.int32), prompt_lengths=jnp.ones((b,), jnp.int32),
+                      done=jnp.ones((b,), bool), steps=jnp.zeros((b,), jnp.int32),
+                      keys=jnp.zeros((b, 2), jnp.uint32), cache=cache)
+        if self.proposer is None:
+            return DecodeState(**common)
+        p, config = self.proposer, engine.config
+        width = config.hidden_size * max(1, len(p.feature_layers))
+        features = jnp.zeros((b, width), engine.dtype)
+        ctx = SpecContext(common["tokens"], common["lengths"], cache.block_tables, features,
+                          prompt_hidden=jnp.zeros((b, 16, width), engine.dtype))
+        pstate = init_proposer(p, self.proposer_params, engine._pools_for(p), ctx,
+                               jnp.zeros((b, 16), jnp.int32), jnp.zeros((b,), jnp.int32))
+        return SpecState(**common, features=features, proposer_state=pstate,
+                         accepted_hist=jnp.zeros((b, p.tree_size), jnp.int32))
+
+    def _release(self, s: int) -> None:
+        self.engine.allocator.free(self.pages[s])
+        self.pages[s], self.owner[s], self.emitted[s] = [], None, 0
+
+    def _free_slots_on_device(self, state, slots):
+        """Mark `slots` done with their tables on the sink page (they write nothing real)."""
+        if not slots:
+            return state
+        idx = jnp.asarray(slots)
+        c = state.cache
+        return state.replace(done=state.done.at[idx].set(True), cache=c.replace(
+            block_tables=c.block_tables.at[idx].set(self.engine.allocator.num_pages)))
+
+    def _drop_cancelled(self, state):
+        with self._cv:
+            gone = [h for h in self._queue if h.cancelled]
+            self._queue = [h for h in self._queue if not h.cancelled]
+        for h in gone:
+            self.stats["cancelled"] += 1
+            h._emit(Finished("cancelled"))
+        slots = [s for s, h in enumerate(self.owner) if h is not None and h.cancelled]
+        for s in slots:
+            h = self.owner[s]
+            self._release(s)
+            self.stats["cancelled"] += 1
+            h._emit(Finished("cancelled"))
+        if not self.busy():
+            self.sampling = None
+        return self._free_slots_on_device(state, slots)
+
+    def _take(self) -> list[tuple[int, Handle, list[int], int]]:
+        """Queued requests for the free slots, first come first served, while the pool has pages
+        and their sampling settings match the running batch's: (slot, handle, pages, cached)."""
+        allocator = self.engine.allocator
+        reuse = self.proposer is None or not self.proposer.needs_prompt_features
+        taken = []
+        with self._cv:
+            for s in range(self.max_batch):
+                if self.owner[s] is not None or not self._queue or len(taken) == self.group:
+                    continue
+                h = self._queue[0]
+                if self.sampling is not None and h.sampling != self.sampling:
+                    break  # the running batch finishes first
+                need = len(h.prompt) + h.max_new_tokens + self.scratch
+                try:
+                    pages, cached = allocator.allocate(need, reusable_tokens=h.prompt[:-1]
+                                                       if reuse else ())
+                except CacheFullError:
+                    break  # wait for running requests to free pages
+                self._queue.pop(0)
+                self.owner[s], self.pages[s] = h, pages
+                self.sampling = h.sampling
+                taken.append((s, h, pages, cached))
+        return taken
+
+    def _admit(self, state):
+        taken = self._take()
+        if not taken and not self.busy():
+            return state
+        engine = self.engine
+        reach = max(len(h.prompt) + h.max_new_tokens + self.scratch
+                    for h in self.owner if h is not None)
+        pps = -(-bucket(reach) // engine.page_size)
+        state = _resize(state, pps, pps * engine.page_size + 1)
+        if not taken:
+            return state
+        return self._prefill(state, taken)
+
+    def _prefill(self, state, taken):
+        """Prefill the taken requests' prompts as one group of `self.group` rows and write their
+        rows (tokens, lengths, keys, tables; features and proposer state) into the batch."""
+        engine, g, n = self.engine, self.group, len(taken)
+        sink = engine.allocator.num_pages
+        pps, width = state.cache.block_tables.shape[1], state.tokens.shape[1]
+        prompts = [h.prompt for _, h, _, _ in taken] + [[0]] * (g - n)
+        cached = [c for _, _, _, c in taken] + [0] * (g - n)
+        table = block_table_array([p for _, _, p, _ in taken] + [[]] * (g - n), pps, sink)
+        chunks = [p[c:len(p) - 1] for p, c in zip(prompts, cached)]
+        chunk = np.zeros((g, bucket(max(max(map(len, chunks)), 1))), np.int32)
+        for r, c in enumerate(chunks):
+            chunk[r, :len(c)] = c
+        layers = () if self.proposer is None else tuple(self.proposer.feature_layers)
+        c = state.cache
+        sub = PagedKVCache(c.k_pages, c.v_pages, jnp.asarray(table),  # prefill donates it
+                           jnp.asarray(cached, jnp.int32))
+        sub, last, hidden = prefill(engine.params, engine.config, sub, jnp.asarray(chunk),
+                                    jnp.asarray([len(x) for x in chunks], np.int32), layers)
+        for _, h, pages, _ in taken:
+            engine.allocator.register_prefix(pages, h.prompt[:-1])
+        plen = np.asarray([len(p) for p in prompts], np.int32)
+        rows = np.zeros((g, width), np.int32)
+        for r, p in enumerate(prompts):
+            rows[r, :len(p)] = p
+        slots = jnp.asarray([s for s, _, _, _ in taken])
+        keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([h.seed for _, h, _, _ in taken]))
+        cache = PagedKVCache(sub.k_pages, sub.v_pages,
+                             c.block_tables.at[slots].set(jnp.asarray(table[:n])),
+                             c.lengths.at[slots].set(jnp.asarray(plen[:n] - 1)))
+        for s, _, _, _ in taken:
+            self.emitted[s] = int(plen[[t[0] for t in taken].index(s)])
+        new = dict(tokens=state.tokens.at[slots].set(jnp.asarray(rows[:n])),
+                   lengths=state.lengths.at[slots].set(jnp.asarray(plen[:n])),
+                   prompt_lengths=state.prompt_lengths.at[slots].set(jnp.asarray(plen[:n])),
+                   done=state.done.at[slots].set(False), steps=state.steps.at[slots].set(0),
+                   keys=state.keys.at[slots].set(keys.astype(state.keys.dtype)), cache=cache)
+        if self.proposer is None:
+            return state.replace(**new)
+        p = self.proposer
+        prompt_chunk = np.zeros((g, bucket(max(int(plen.max()) - 1, 1))), np.int32)
+        for r, q in enumerate(prompts):
+            prompt_chunk[r, :len(q) - 1] = q[:-1]
+        ctx = SpecContext(jnp.asarray(rows), jnp.asarray(plen), jnp.asarray(table), last,
+                          prompt_hidden=hidden)
+        fresh = init_proposer(p, self.proposer_params, p.pools_of(state.proposer_state), ctx,
+                              jnp.asarray(prompt_chunk), jnp.asarray(plen - 1))
+        return state.replace(**new, features=state.features.at[slots].set(last[:n]),
+                             proposer_state=merge_rows(p, state.proposer_state, fresh, slots),
+                             accepted_hist=state.accepted_hist.at[slots].set(0))
+
+    def _advance(self, state):
+        limits = np.zeros((self.max_batch,), np.int32)
+        for s, h in enumerate(self.owner):
+            if h is not None:
+                limits[s] = h.max_new_tokens
+        t0 = time.perf_counter()
+        steps_before = np.asarray(state.steps)
+        state = advance(self.engine.params, self.engine.config, self.proposer,
+                        self.proposer_params, self.sampling, state, jnp.asarray(limits),
+                        jnp.asarray(self.eos, jnp.int32).reshape(-1), self.sync_steps)
+        tokens, lengths, done, steps = (np.asarray(x) for x in (state.tokens, state.lengths,
+                                                                state.done, state.steps))
+        self.stats["step_seconds"] += time.perf_counter() - t0
+        self.stats["rounds"] += 1
+        self.stats["steps"] += int((steps - steps_before).max(initial=0))
+        hist = None if self.proposer is None else np.asarray(state.accepted_hist)
+        finished = []
+        for s, h in enumerate(self.owner):
+            if h is None:
+                continue
+            new = tokens[s, self.emitted[s]:lengths[s]].tolist()
+            self.emitted[s] = int(lengths[s])
+            h.steps = int(steps[s])
+            if hist is not None:
+                h.accepted_draft_tokens = int((hist[s] * np.arange(hist.shape[1])).sum())
+                h.draft_tokens = h.steps * (self.proposer.tree_size - 1)
+            if new:
+                h.tokens.extend(new)
+                self.stats["new_tokens"] += len(new)
+                h._emit(new)
+            if done[s]:
+                finished.append(s)
+        for s in finished:
+            h = self.owner[s]
+            self._release(s)
+            self.stats["finished"] += 1
+            self.stats["accepted_draft_tokens"] += h.accepted_draft_tokens
+            stopped = bool(h.tokens) and h.tokens[-1] in self.eos
+            h._emit(Finished("stop" if stopped else "length"))
+        if not self.busy():
+            self.sampling = None
+        return self._free_slots_on_device(state, finished)
+
+
+def merge_rows(proposer, state, fresh, slots):
+    """`state` with `fresh`'s first len(slots) rows written at `slots`: every leaf is batch-major
+    but the proposer's pools (`pools_of`), which are shared and taken from `fresh` whole (the
+    call that built `fresh` consumed the old ones)."""
+    pools = {id(x) for x in jax.tree_util.tree_leaves(proposer.pools_of(fresh))}
+    n = slots.shape[0]
+    return jax.tree_util.tree_map(
+        lambda old, new: new if id(new) in pools else old.at[slots].set(new[:n]), state, fresh)

@@ -1,0 +1,172 @@
+"""The online scheduler: requests arriving at any time get the answer they would alone, for
+every kind of proposer (stateless, with state and pools), greedy or sampled; cancellation, a
+full queue and a full cache behave."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import Engine, init_params
+from specjax.config import ModelConfig
+from specjax.model import lm_head_weight
+from specjax.proposers import PromptLookupProposer
+from specjax.proposers.eagle import EagleDynamicProposer
+from specjax.proposers.lookahead import LookaheadProposer
+from specjax.sampling import SamplingConfig
+from specjax.serving.scheduler import QueueFull, RequestError, Scheduler
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=512, eos_token_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+
+
+def _eagle2(target):
+    draft_cfg = dataclasses.replace(CFG, num_layers=1)
+    key = jax.random.PRNGKey(3)
+    layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
+    del layer["attn_norm"]
+    fc = {"kernel": 0.3 * jax.random.normal(key, (2 * CFG.hidden_size, CFG.hidden_size))}
+    return (EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=2),
+            {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
+             "lm_head": lm_head_weight(target)})
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        base = rng.integers(4, 64, size=int(rng.integers(3, 12))).tolist()
+        out.append(base * (1 + i % 3))  # repeats, so prompt lookup finds continuations
+    return out
+
+
+def _proposer(kind, target):
+    if kind == "vanilla":
+        return None, None
+    if kind == "pld":
+        return PromptLookupProposer(4, 3, 1), None
+    if kind == "lookahead":
+        return LookaheadProposer(3, 3, 2), None
+    return _eagle2(target)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "pld", "eagle2", "lookahead"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20)],
+                         ids=["greedy", "sampled"])
+def test_staggered_requests_get_the_answer_they_get_alone(target, kind, sampling):
+    proposer, pparams = _proposer(kind, target)
+    prompts = _prompts(7)
+    limits = [5 + 3 * (i % 4) for i in range(len(prompts))]
+    alone = Engine(target, CFG, num_pages=64, page_size=8)
+    outs = [alone.generate([p], n, sampling=sampling, seeds=[11 + i], proposer=proposer,
+                           proposer_params=pparams) for i, (p, n) in enumerate(zip(prompts, limits))]
+    want = [o.token_ids[0] for o in outs]
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    sched = Scheduler(engine, proposer, pparams, max_batch=3, sync_steps=2, admit_group=2).start()
+    handles = []
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        handles.append(sched.submit(p, n, sampling=sampling, seed=11 + i))
+        time.sleep(0.01 * (i % 3))  # arrivals spread over the running batch's steps
+    got = [h.result(timeout=300) for h in handles]
+    sched.stop()
+    assert got == want
+    # the same target passes too: each request's drafter state is its own, as when alone
+    assert [h.steps for h in handles] == [o.steps[0] for o in outs]
+    for h, n in zip(handles, limits):
+        assert h.finished.reason == ("stop" if h.tokens[-1] in CFG.eos_token_ids else "length")
+        assert len(h.tokens) <= n and h.steps >= 1
+        if proposer is not None:
+            assert 0 <= h.accepted_draft_tokens <= len(h.tokens) - 1
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.k_pages is not None  # the pools came back
+
+
+def test_a_broken_merge_is_caught(target, monkeypatch):
+    """Control: admitting rows without their proposer state (the merge skipped) leaves the
+    greedy tokens alone (verification keeps them the target's) but not the steps they take, so
+    the test above can fail."""
+    import specjax.serving.scheduler as sched_mod
+
+    proposer, pparams = _eagle2(target)
+    prompts = _prompts(4, seed=1)
+    alone = Engine(target, CFG, num_pages=64, page_size=8)
+    want = [alone.generate([p], 12, proposer=proposer, proposer_params=pparams).steps[0]
+            for p in prompts]
+    monkeypatch.setattr(sched_mod, "merge_rows", _keep_old_rows)
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    sched = Scheduler(engine, proposer, pparams, max_batch=2, admit_group=1).start()
+    handles = [sched.submit(p, 12) for p in prompts]
+    for h in handles:
+        h.result(timeout=300)
+    sched.stop()
+    assert [h.steps for h in handles] != want
+
+
+def _keep_old_rows(proposer, state, fresh, slots):
+    pools = {id(x) for x in jax.tree_util.tree_leaves(proposer.pools_of(fresh))}
+    return jax.tree_util.tree_map(lambda old, new: new if id(new) in pools else old, state, fresh)
+
+
+def test_cancel_frees_the_slot_and_others_finish(target):
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    sched = Scheduler(engine, max_batch=2, sync_steps=1).start()
+    long = sched.submit(_prompts(1)[0], 200)
+    first = long.events.get(timeout=120)  # it runs
+    assert isinstance(first, list)
+    long.cancel()
+    other = sched.submit(_prompts(2)[1], 6)
+    assert len(other.result(timeout=120)) <= 6
+    while long.finished is None:
+        long.events.get(timeout=60)
+    assert long.finished.reason == "cancelled"
+    sched.stop()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_queue_full_and_requests_that_can_never_run(target):
+    engine = Engine(target, CFG, num_pages=8, page_size=8)
+    sched = Scheduler(engine, max_batch=1, max_queue=2)  # not started: the queue only fills
+    sched.submit([5, 6], 4)
+    sched.submit([5, 6], 4)
+    with pytest.raises(QueueFull, match="queued"):
+        sched.submit([5, 6], 4)
+    with pytest.raises(RequestError, match="context"):
+        sched.submit([5] * 500, 20)
+    with pytest.raises(RequestError, match="pages"):
+        sched.submit([5] * 60, 20)  # 81 slots > 8 pages of 8
+    with pytest.raises(RequestError, match="empty"):
+        sched.submit([], 4)
+    sched.start()
+    sched.stop()  # drains the two queued
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_cache_exhaustion_makes_requests_wait(target):
+    """Four requests that fit the cache one or two at a time all finish, each as alone."""
+    prompts = _prompts(4, seed=2)
+    alone = Engine(target, CFG, num_pages=64, page_size=8)
+    want = [alone.generate([p], 20).token_ids[0] for p in prompts]
+    engine = Engine(target, CFG, num_pages=9, page_size=8)  # room for about two at a time
+    sched = Scheduler(engine, max_batch=4).start()
+    results = {}
+
+    def client(i):
+        results[i] = sched.submit(prompts[i], 20).result(timeout=300)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sched.stop()
+    assert [results[i] for i in range(4)] == want
