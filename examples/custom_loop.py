@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import time
 from typing import Any, NamedTuple
 
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from specjax import settings
 from specjax.accept import accept
 from specjax.cache import PagedKVCache, init_pages, pages_needed
 from specjax.prompts import encode_prompt
@@ -45,7 +45,7 @@ from specjax.spec_decode import (SpecContext, appended_tokens, init_proposer, no
                                  scratch_slots)
 from specjax.verify import verify_pruned
 
-SMOKE = os.environ.get("SPECJAX_EXAMPLES_SMOKE") == "1"
+SMOKE = settings.examples_smoke()
 
 
 class Carry(NamedTuple):

@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.trace_setting import TraceSetting
 from specjax.cpu_native import register, unsupported_reason  # noqa: F401 (re-exported)
+from specjax.settings import CPU_MATMUL as _SETTING
+from specjax.settings import DRAFT_WEIGHTS as _DRAFT_SETTING
 
-ENV_VAR = "SPECJAX_CPU_MATMUL"
-SETTINGS = ("auto", "kernel", "xla")
+ENV_VAR = _SETTING.name
+SETTINGS = _SETTING.choices
 TARGET = "specjax_rows_matmul"  # the float32-weight target; float16 adds "_f16", int8 "_s8"
 TARGETS = {jnp.dtype(jnp.float32): TARGET,
            jnp.dtype(jnp.float16): "specjax_rows_matmul_f16",
@@ -46,12 +47,10 @@ TARGETS = {jnp.dtype(jnp.float32): TARGET,
 # AVX-512, 6 with AVX2, the later passes from cache) takes the product, packing the weight on the
 # way; more (an unpacked model's prefill, training batches) take XLA's GEMM.
 MAX_ROWS = 64
-_SETTING = TraceSetting(ENV_VAR, SETTINGS, "CPU matmul setting")
 # Draft networks' weights on the kernel (draft_weights): `auto` = DRAFT_AUTO.
-DRAFT_ENV_VAR = "SPECJAX_DRAFT_WEIGHTS"
-DRAFT_SETTINGS = ("auto", "float32", "float16", "int8")
+DRAFT_ENV_VAR = _DRAFT_SETTING.name
+DRAFT_SETTINGS = _DRAFT_SETTING.choices
 DRAFT_AUTO = "int8"
-_DRAFT_SETTING = TraceSetting(DRAFT_ENV_VAR, DRAFT_SETTINGS, "draft weights setting")
 
 
 def use_draft_weights(name: str):
