@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from specjax import load_model
 from specjax.bench import machine
-from kernels_pallas import use_attention_backend
+from specjax.attention import use_attention_backend
 from specjax.cpu_matmul import (pack_params, take_rows, unpack_params, unsupported_reason,
                                 use_cpu_matmul)
 from specjax.cache import PagedKVCache, init_pages, pages_needed
@@ -62,7 +62,7 @@ def measure(model, widths, context: int, iters: int, matmul: str = "auto",
             attention: str = "auto") -> list[dict]:
     """Rows of milliseconds per part and width, with the linear layers on `matmul` (a
     specjax.cpu_matmul setting: XLA's product or the few-row kernel) and attention on the
-    `attention` backend (kernels_pallas.dispatch: the XLA reference or the CPU kernel)."""
+    `attention` backend (specjax.attention: the XLA reference or the CPU kernel)."""
     with use_cpu_matmul(matmul), use_attention_backend(attention):
         params = pack_params(unpack_params(model.params))  # packed for the kernel
         rows = _measure(params, model.config, widths, context, iters)

@@ -8,7 +8,7 @@ arithmetic. The kernel walks each query row's visible keys straight from the pag
 order and then the new rows, with the same sums for every row whatever the pass's width: a
 row's attention is bit-identical in a one-token decode and in a verify pass.
 
-Chosen through the attention backend (`kernels_pallas.dispatch`: `SPECJAX_ATTENTION=cpu`, or
+Chosen through the attention backend (`specjax.attention`: `SPECJAX_ATTENTION=cpu`, or
 `auto` on a single CPU device where the native kernels build) for float32 heads whose size is a
 multiple of 64 (at most 256); other shapes take the reference. Gradients run through the
 reference; lowering for another platform takes the reference.

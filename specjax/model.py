@@ -18,10 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import specjax.cpu_attention as cpu_attention
-from kernels_pallas import (attention_backend, attention_with_new_rows, on_cpu_path,
-                            paged_attention, unwritten_keys_mask, uses_pallas, visible_keys_mask,
-                            write_paged_kv)
+from kernels_pallas import unwritten_keys_mask, visible_keys_mask, write_paged_kv
+from specjax.attention import attention_unwritten, on_cpu_path, paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.cpu_activation import swiglu
@@ -163,7 +161,7 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
-    # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (kernels_pallas.dispatch).
+    # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (specjax.attention).
     # Without a sliding window keys_seen is the mask lengths and tree_mask imply, which the
     # Pallas kernel builds itself; the others take it precomputed (once per forward, not per layer).
     exact = config.sliding_window is None and uses_pallas()
@@ -172,25 +170,12 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
             attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                                    key_mask=None if exact else keys_seen, k_new=k, v_new=v)
         else:
-            attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
+            attn = attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
         return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
     return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
-
-
-def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):
-    """Attention as if k, v [B, T, KVH, D] were written, without writing the pools; mask from
-    `unwritten_keys_mask`.
-
-    XLA cannot update buffers in place across the branches of a `lax.switch` (it copies every
-    pool in and out of the branch each step); a verify pass inside one defers its writes instead.
-    On the CPU attention backend the kernel reads the new rows where they are.
-    """
-    if attention_backend() == "cpu" and cpu_attention.kernel_applies(q, k_pages):
-        return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k, v)
-    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k, v)
 
 
 def write_new_kv(cache: PagedKVCache, new_kv, slots, valid) -> PagedKVCache:
@@ -313,7 +298,7 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     positions whose logits are computed (all when None; an empty K skips the head).
     hidden_layers: indices of decoder layers whose output residual stream is returned.
     defer_kv_write: return the new K/V in `new_kv` instead of writing them (the cache comes back
-    unchanged); for passes inside `lax.switch` branches (see `_attention_unwritten`).
+    unchanged); for passes inside `lax.switch` branches (see `attention.attention_unwritten`).
     """
     b, t = tokens.shape
     if valid is None:

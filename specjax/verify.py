@@ -7,7 +7,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import on_cpu_path
+from specjax.attention import on_cpu_path
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.cpu_matmul import kernel_in_use
