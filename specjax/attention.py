@@ -1,5 +1,5 @@
 """Attention over the paged KV cache, the one place its backend is chosen: the Pallas kernel
-(`kernels_pallas.tree_paged_attention`) on GPU, the native CPU kernel (`specjax.cpu_attention`)
+(`kernels_pallas.tree_paged_attention`) on GPU, the native CPU kernel (`specjax.cpu.attention`)
 on CPU, the XLA reference (`kernels_pallas.tree_paged_attention_reference`) elsewhere.
 
 The backend is chosen when a function is traced:
@@ -8,7 +8,7 @@ The backend is chosen when a function is traced:
   `with` block.
 - `auto` runs the Pallas kernel when JAX's default backend is a CUDA GPU of compute capability
   >= 8.0 and the shapes suit it (`unsupported_reason`); on a single CPU device where the native
-  kernels build, `specjax.cpu_attention` (float32 heads of a multiple of 64); the reference
+  kernels build, `specjax.cpu.attention` (float32 heads of a multiple of 64); the reference
   otherwise. A forced `pallas` or `pallas-interpret` raises on shapes the kernel cannot take
   instead of falling back silently; a forced `cpu` raises when the native kernel cannot build.
 
@@ -36,8 +36,8 @@ from kernels_pallas.tree_paged_attention import tree_paged_attention, unsupporte
 from kernels_pallas.tree_paged_attention_reference import (attention_with_new_rows,
                                                            tree_paged_attention_reference,
                                                            unwritten_keys_mask, visible_keys_mask)
-import specjax.cpu_attention as cpu_attention
-from specjax.cpu_native import register
+from specjax.cpu import attention as cpu_attention
+from specjax.cpu.native import register
 from specjax.settings import ATTENTION as _SETTING
 
 ENV_VAR = _SETTING.name
@@ -109,7 +109,7 @@ def gpu_supports_kernel() -> bool:
 
 
 def cpu_supports_kernel() -> bool:
-    """True on a single CPU device where specjax's native kernels build (`specjax.cpu_native`)."""
+    """True on a single CPU device where specjax's native kernels build (`specjax.cpu.native`)."""
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     return register() is None

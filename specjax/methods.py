@@ -203,7 +203,7 @@ def _eagle(target: Model, method: str, heads: str | None, eagle_choices, tree_op
            draft_vocab: int | None = None, min_prob: float | None = None):
     """EAGLE-1 (static tree, `eagle_choices`), EAGLE-2 (dynamic tree) over EAGLE heads, or
     EAGLE-3 (dynamic tree) over EAGLE-3 heads; min_prob: the draft-confidence floor."""
-    from specjax.cpu_matmul import draft_weights
+    from specjax.cpu.draft_weights import draft_weights
     from specjax.model import lm_head_weight
     from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
 
@@ -309,7 +309,7 @@ def _medusa(target: Model, heads: str | None, medusa_choices, posterior_threshol
                               f"tree's top-{proposer.top_k}")
         params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids, None)
     if not proposer.own_lm_head:  # the heads' shared product in the draft weights type
-        from specjax.cpu_matmul import draft_weights
+        from specjax.cpu.draft_weights import draft_weights
 
         params["lm_head"] = draft_weights(params["lm_head"])
     return proposer, params

@@ -22,8 +22,8 @@ from kernels_pallas import unwritten_keys_mask, visible_keys_mask, write_paged_k
 from specjax.attention import attention_unwritten, on_cpu_path, paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.cpu_activation import swiglu
-from specjax.cpu_matmul import (MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul,
+from specjax.cpu.activation import swiglu
+from specjax.cpu.matmul import (MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul,
                                 take_rows)
 from specjax.rope import apply_rope, rope_cos_sin
 
@@ -52,7 +52,7 @@ def row_sums(x):
     different orders: a verify pass's normalized rows differed in the last bits from the same
     rows decoded one at a time, which could flip a near-tie of the greedy choice. Where the CPU
     matmul kernel takes the rows they are summed as a product with a row of ones, which computes
-    every row alike (`specjax.cpu_matmul`); elsewhere (prefill, GPU) XLA's sum.
+    every row alike (`specjax.cpu.matmul`); elsewhere (prefill, GPU) XLA's sum.
     """
     x2 = x.reshape(-1, x.shape[-1])
     ones = np.ones((1, x.shape[-1]), x2.dtype)
@@ -73,7 +73,7 @@ def linear(x, w, out_dtype=None):
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.result_type(x, w))
-    if kernel_applies(x2, w, out_dtype):  # float32 rows on CPU: specjax.cpu_matmul
+    if kernel_applies(x2, w, out_dtype):  # float32 rows on CPU: specjax.cpu.matmul
         return rows_matmul(x2, w).reshape(*lead, w.shape[0])
     if not on_cpu_path():
         w = as_array(w).astype(x2.dtype)
@@ -120,7 +120,7 @@ def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
 
 def lm_head_weight(params):
     """[vocab, hidden] output projection (the embedding when tied; packed for the CPU kernel as
-    `tied_head`, see `cpu_matmul.pack_params`)."""
+    `tied_head`, see `cpu.matmul.pack_params`)."""
     return params.get("lm_head", params.get("tied_head", params["embed"]))
 
 

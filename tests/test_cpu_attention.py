@@ -1,4 +1,4 @@
-"""The native paged-attention kernel on CPU (specjax.cpu_attention) against the XLA reference."""
+"""The native paged-attention kernel on CPU (specjax.cpu.attention) against the XLA reference."""
 
 import os
 import subprocess
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from specjax.attention import attention_backend, use_attention_backend
-from specjax.cpu_attention import TARGET, _reference, cpu_paged_attention
-from specjax.cpu_native import unsupported_reason
+from specjax.cpu.attention import TARGET, _reference, cpu_paged_attention
+from specjax.cpu.native import unsupported_reason
 
 needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
                                   reason=f"kernel unavailable: {unsupported_reason()}")

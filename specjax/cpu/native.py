@@ -1,8 +1,8 @@
-"""Native CPU kernels (`cpu_kernels/*.cc`): built with the machine's g++ on first use, cached
+"""Native CPU kernels (`specjax/cpu/*.cc`): built with the machine's g++ on first use, cached
 under `<specjax cache>/kernels`, and registered as XLA FFI custom calls.
 
-`specjax.cpu_matmul` (few-row matrix products), `specjax.cpu_attention` (paged attention),
-`specjax.cpu_activation` (an MLP's silu(gate) * up) and `specjax.cpu_top_k` (a draft's best
+`specjax.cpu.matmul` (few-row matrix products), `specjax.cpu.attention` (paged attention),
+`specjax.cpu.activation` (an MLP's silu(gate) * up) and `specjax.cpu.top_k` (a draft's best
 tokens) decide when to call them; this module only knows whether they can run here and builds
 them.
 """
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import jax
 
-_DIR = Path(__file__).with_name("cpu_kernels")
+from specjax.settings import cache_dir
+
+_DIR = Path(__file__).parent
 SOURCES = tuple(sorted(_DIR.glob("*.cc")))
 HEADERS = tuple(sorted(_DIR.glob("*.h")))
 # FFI target name -> handler symbol in the library.
@@ -57,8 +59,6 @@ def unsupported_reason() -> str | None:
 
 
 def library_path() -> Path:
-    from convert.registry import cache_dir
-
     compiler = os.environ.get("CXX", "g++")
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
