@@ -1,4 +1,4 @@
-"""Every `SPECJAX_*` environment variable, declared once and read only here.
+"""Every `SPECJAX_*` environment variable (and `CXX`), declared once and read only here.
 
 Each `Variable` has its name, the values it takes, its default and a one-line meaning (the table
 in docs/architecture.md, "Settings", lists them); the modules that use a setting ask it here. The
@@ -22,13 +22,17 @@ class Variable:
     def raw(self) -> str:
         return os.environ.get(self.name, "")
 
+    def value(self) -> str:
+        """Its value as set, else its default."""
+        return os.environ.get(self.name, self.default)
+
 
 class TraceSetting(Variable):
     """A process-wide choice read when functions are traced: `get()` is the innermost `use(name)`
     block's name, else the variable's value, else choices[0]."""
 
     def __init__(self, name: str, choices: tuple[str, ...], what: str, meaning: str):
-        super().__init__(name, " | ".join(choices), choices[0], meaning)
+        super().__init__(name, ", ".join(choices), choices[0], meaning)
         self.choices, self.what = choices, what
         self._override: list[str] = []
 
@@ -74,7 +78,7 @@ CACHE = Variable(
     "root of specjax's cache: embedded models, converted GGUFs, built CPU kernels, compiled "
     "programs")
 COMPILE_CACHE = Variable(
-    "SPECJAX_COMPILE_CACHE", "a directory, or 0 | off | false | no", "<SPECJAX_CACHE>/jax-compile",
+    "SPECJAX_COMPILE_CACHE", "a directory, or 0, off, false, no", "<SPECJAX_CACHE>/jax-compile",
     "JAX's persistent compilation cache for the `specjax` command (`specjax.compile_cache`); "
     "0 turns it off")
 DEBUG = Variable(
@@ -85,12 +89,20 @@ EXAMPLES_SMOKE = Variable(
     "examples/ run in their reduced mode (few tokens), as with --smoke")
 
 VARIABLES = (ATTENTION, CPU_MATMUL, DRAFT_WEIGHTS, CACHE, COMPILE_CACHE, DEBUG, EXAMPLES_SMOKE)
+# Not specjax's own, but read here too: the compiler that builds the native CPU kernels.
+CXX = Variable("CXX", "a C++ compiler command", "g++",
+               "the compiler that builds the native CPU kernels (`specjax.cpu.native`)")
 
 
 def cache_dir() -> Path:
     """Root of specjax's cache: `$SPECJAX_CACHE` if set, else `~/.cache/specjax`."""
     env = CACHE.raw()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specjax"
+
+
+def compiler() -> str:
+    """$CXX, else g++."""
+    return CXX.value()
 
 
 def compile_cache_setting() -> str:
