@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from specjax import load_model
 from specjax.bench import machine
-from kernels_pallas import use_attention_backend
-from specjax.cpu_matmul import (pack_params, take_rows, unpack_params, unsupported_reason,
+from specjax.attention import use_attention_backend
+from specjax.cpu.matmul import (pack_params, take_rows, unpack_params, unsupported_reason,
                                 use_cpu_matmul)
 from specjax.cache import PagedKVCache, init_pages, pages_needed
 from specjax.draft_tree import chain
@@ -61,8 +61,8 @@ def cache_at(config, context: int, width: int, page_size: int = 16) -> PagedKVCa
 def measure(model, widths, context: int, iters: int, matmul: str = "auto",
             attention: str = "auto") -> list[dict]:
     """Rows of milliseconds per part and width, with the linear layers on `matmul` (a
-    specjax.cpu_matmul setting: XLA's product or the few-row kernel) and attention on the
-    `attention` backend (kernels_pallas.dispatch: the XLA reference or the CPU kernel)."""
+    specjax.cpu.matmul setting: XLA's product or the few-row kernel) and attention on the
+    `attention` backend (specjax.attention: the XLA reference or the CPU kernel)."""
     with use_cpu_matmul(matmul), use_attention_backend(attention):
         params = pack_params(unpack_params(model.params))  # packed for the kernel
         rows = _measure(params, model.config, widths, context, iters)
@@ -116,8 +116,8 @@ def _measure(params, config, widths, context, iters):
 def markdown(rows, context: int) -> str:
     out = [f"Target forward over T new tokens after {context} committed ones (ms; "
            "`cost_vs_width_1` = tokens per step needed to break even; matmul: the linear layers "
-           "on XLA's product or specjax.cpu_matmul's kernel; attention: the XLA reference or "
-           "specjax.cpu_attention's kernel)", "",
+           "on XLA's product or specjax.cpu.matmul's kernel; attention: the XLA reference or "
+           "specjax.cpu.attention's kernel)", "",
            "| matmul | attention | T | forward | decoder without lm_head | MLPs only | "
            "lm_head only | cost vs T=1 | `verify_pruned` |",
            "|---|---|---|---|---|---|---|---|---|"]

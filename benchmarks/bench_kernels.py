@@ -127,7 +127,7 @@ def main(argv=None):
 
     import jax
 
-    from kernels_pallas.dispatch import gpu_supports_kernel
+    from specjax.attention import gpu_supports_kernel
     from kernels_pallas.tree_paged_attention import default_blocks, tree_paged_attention
     from kernels_pallas.tree_paged_attention_reference import tree_paged_attention_reference
 

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from specjax.settings import cache_dir  # noqa: F401 (re-exported: the cache's root)
+
 from .gguf import gguf_to_hf
 
 
@@ -50,12 +52,6 @@ _PIP_TIMEOUT_S = 1800
 def is_embedded(name: str) -> bool:
     """Whether `name` is one of the embedded model names (not a path or Hub id)."""
     return name in REGISTRY
-
-
-def cache_dir() -> Path:
-    """Root of specjax's cache: `$SPECJAX_CACHE` if set, else `~/.cache/specjax`."""
-    env = os.environ.get("SPECJAX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specjax"
 
 
 def resolve_embedded(name: str, quiet: bool = False) -> Path:

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import shlex
 import tempfile
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from specjax import settings
 from specjax.cli import main as specjax
 
 RNG = np.random.default_rng(0)
@@ -136,7 +136,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="few tokens (CI)")
     args = ap.parse_args()
-    smoke = args.smoke or os.environ.get("SPECJAX_EXAMPLES_SMOKE") == "1"
+    smoke = args.smoke or settings.examples_smoke()
     max_new = str(args.max_new_tokens or (16 if smoke else 64))
     out = Path(args.out or tempfile.mkdtemp(prefix="specjax-convert-"))
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import time
 from typing import Any, NamedTuple
 
@@ -36,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax import spec
+from specjax import settings, spec
 from specjax.sampling import SamplingConfig
 
-SMOKE = os.environ.get("SPECJAX_EXAMPLES_SMOKE") == "1"
+SMOKE = settings.examples_smoke()
 
 
 class Carry(NamedTuple):

@@ -13,10 +13,9 @@ after a warm-up compile, the speedup over vanilla, and whether the greedy text e
 from __future__ import annotations
 
 import argparse
-import os
 
 import specjax
-from specjax import Engine
+from specjax import Engine, settings
 from specjax.prompts import encode_prompt
 from specjax.methods import make_proposer
 
@@ -48,7 +47,7 @@ def main():
                     help="comma-separated subset of: " + ",".join(METHODS))
     ap.add_argument("--smoke", action="store_true", help="3 methods, few tokens (CI)")
     args = ap.parse_args()
-    smoke = args.smoke or os.environ.get("SPECJAX_EXAMPLES_SMOKE") == "1"
+    smoke = args.smoke or settings.examples_smoke()
     max_new = args.max_new_tokens or (24 if smoke else 128)
     names = args.methods.split(",") if args.methods else (SMOKE_METHODS if smoke else list(METHODS))
     unknown = [n for n in names if n not in METHODS]

@@ -30,7 +30,7 @@ import argparse  # noqa: E402  (JAX must not be imported before XLA_FLAGS is set
 import jax  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax import Engine  # noqa: E402
+from specjax import Engine, settings  # noqa: E402
 from specjax.prompts import encode_prompt  # noqa: E402
 from specjax.methods import make_proposer  # noqa: E402
 from specjax.sharding import make_mesh  # noqa: E402
@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="few tokens (CI)")
     args = ap.parse_args()
-    smoke = args.smoke or os.environ.get("SPECJAX_EXAMPLES_SMOKE") == "1"
+    smoke = args.smoke or settings.examples_smoke()
     max_new = args.max_new_tokens or (16 if smoke else 64)
 
     mesh = make_mesh(tp=args.tp, dp=args.dp)  # axes ("data", "model"), dp x tp devices

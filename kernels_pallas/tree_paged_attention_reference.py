@@ -97,7 +97,7 @@ def gathered_attention(q, k, v, mask, *, scale=None):
 
 def unwritten_keys_mask(keys_seen, slots, write_ok):
     """bool[B, T, S + T]: `keys_seen` [B, T, S] for attention over the gathered slots followed by
-    the T new rows (`_attention_unwritten`), which would be written at slots [B, T] where
+    the T new rows (a pass deferring its writes), which would be written at slots [B, T] where
     write_ok: the slots they would overwrite are hidden, and new row j is seen where its slot is.
 
     Appending the rows, a concatenation XLA fuses with the gather, made a 4-token pass of

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from specjax import settings
 from specjax.method_configs import METHODS, MethodError
 from specjax.methods import as_flags
 from specjax.prompts import encode_prompt, read_prompt_file  # noqa: F401  (encode_prompt: public here)
@@ -392,7 +393,7 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one line, no traceback: the CLI contract
-        if args.debug or os.environ.get("SPECJAX_DEBUG"):
+        if args.debug or settings.debug():
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, MethodError):

@@ -13,10 +13,10 @@ deleting the directory is always safe.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-ENV_VAR = "SPECJAX_COMPILE_CACHE"
+from specjax.settings import cache_dir, compile_cache_setting
+
 OFF = ("0", "off", "false", "no")
 # Cache programs whose compilation took at least this long: most of a step's helpers compile in
 # well under JAX's default second, yet add up to several seconds per run.
@@ -25,13 +25,11 @@ MIN_COMPILE_SECONDS = 0.1
 
 def compile_cache_dir() -> Path | None:
     """Where the command caches compiled programs, or None when disabled."""
-    setting = os.environ.get(ENV_VAR, "").strip()
+    setting = compile_cache_setting()
     if setting.lower() in OFF:
         return None
     if setting:
         return Path(setting).expanduser()
-    from convert.registry import cache_dir
-
     return cache_dir() / "jax-compile"
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import attention_mesh
+from specjax.attention import attention_mesh
 from specjax.cache import PageAllocator, PagedKVCache, block_table_array, init_pages, pages_needed
 from specjax.config import ModelConfig
 from specjax.model import causal_mask, forward

@@ -94,7 +94,7 @@ def _placer(config: ModelConfig, mesh, pack: bool):
     model's dtype) onto the device, or into its shards over `mesh`; with `pack`, a layer's
     matrices packed for the CPU matmul kernel on the host first. It waits for the copies, so the
     piece's host arrays are freed before the next piece is read, not queued behind transfers."""
-    from specjax.cpu_matmul import pack_layer
+    from specjax.cpu.matmul import pack_layer
     from specjax.sharding import shard_params
 
     def put(key, value):
@@ -118,13 +118,13 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None,
     beyond what the result needs (a bfloat16 checkpoint asked for as bfloat16 stays bfloat16).
     With a `mesh` (`sharding.make_mesh`), each weight goes from host memory straight into its
     shards (tensor-parallel layers unfused), never whole onto one device. Otherwise, where the
-    CPU matmul kernel takes products, the weights come packed for it (`cpu_matmul.pack_params`;
+    CPU matmul kernel takes products, the weights come packed for it (`cpu.matmul.pack_params`;
     pack=False keeps them plain [out, in] arrays, e.g. for training).
     """
     path = resolve_model_path(str(name_or_path))
     dtype = default_dtype() if dtype is None else dtype
     config, hf_config = read_config(path)
-    from specjax.cpu_matmul import kernel_in_use, pack_params
+    from specjax.cpu.matmul import kernel_in_use, pack_params
 
     pack = pack and mesh is None and np.dtype(dtype) == np.float32 and kernel_in_use()
     params = assemble_params(param_pieces(path, config, np.dtype(dtype)),

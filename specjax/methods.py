@@ -211,7 +211,7 @@ def _check_floor(min_prob):
 def _eagle(target: Model, options: EagleConfig):
     """EAGLE-1 (static tree, `eagle_choices`), EAGLE-2 (dynamic tree) over EAGLE heads, or
     EAGLE-3 (dynamic tree) over EAGLE-3 heads."""
-    from specjax.cpu_matmul import draft_weights
+    from specjax.cpu.draft_weights import draft_weights
     from specjax.model import lm_head_weight
     from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
 
@@ -323,7 +323,7 @@ def _medusa(target: Model, config: MedusaConfig):
                               f"tree's top-{proposer.top_k}")
         params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids, None)
     if not proposer.own_lm_head:  # the heads' shared product in the draft weights type
-        from specjax.cpu_matmul import draft_weights
+        from specjax.cpu.draft_weights import draft_weights
 
         params["lm_head"] = draft_weights(params["lm_head"])
     return proposer, params

@@ -18,14 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import specjax.cpu_attention as cpu_attention
-from kernels_pallas import (attention_backend, attention_with_new_rows, on_cpu_path,
-                            paged_attention, unwritten_keys_mask, uses_pallas, visible_keys_mask,
-                            write_paged_kv)
+from kernels_pallas import unwritten_keys_mask, visible_keys_mask, write_paged_kv
+from specjax.attention import attention_unwritten, on_cpu_path, paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.cpu_activation import swiglu
-from specjax.cpu_matmul import (MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul,
+from specjax.cpu.activation import swiglu
+from specjax.cpu.matmul import (MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul,
                                 take_rows)
 from specjax.rope import apply_rope, rope_cos_sin
 
@@ -54,7 +52,7 @@ def row_sums(x):
     different orders: a verify pass's normalized rows differed in the last bits from the same
     rows decoded one at a time, which could flip a near-tie of the greedy choice. Where the CPU
     matmul kernel takes the rows they are summed as a product with a row of ones, which computes
-    every row alike (`specjax.cpu_matmul`); elsewhere (prefill, GPU) XLA's sum.
+    every row alike (`specjax.cpu.matmul`); elsewhere (prefill, GPU) XLA's sum.
     """
     x2 = x.reshape(-1, x.shape[-1])
     ones = np.ones((1, x.shape[-1]), x2.dtype)
@@ -75,7 +73,7 @@ def linear(x, w, out_dtype=None):
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.result_type(x, w))
-    if kernel_applies(x2, w, out_dtype):  # float32 rows on CPU: specjax.cpu_matmul
+    if kernel_applies(x2, w, out_dtype):  # float32 rows on CPU: specjax.cpu.matmul
         return rows_matmul(x2, w).reshape(*lead, w.shape[0])
     if not on_cpu_path():
         w = as_array(w).astype(x2.dtype)
@@ -122,7 +120,7 @@ def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
 
 def lm_head_weight(params):
     """[vocab, hidden] output projection (the embedding when tied; packed for the CPU kernel as
-    `tied_head`, see `cpu_matmul.pack_params`)."""
+    `tied_head`, see `cpu.matmul.pack_params`)."""
     return params.get("lm_head", params.get("tied_head", params["embed"]))
 
 
@@ -163,7 +161,7 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
-    # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (kernels_pallas.dispatch).
+    # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (specjax.attention).
     # Without a sliding window keys_seen is the mask lengths and tree_mask imply, which the
     # Pallas kernel builds itself; the others take it precomputed (once per forward, not per layer).
     exact = config.sliding_window is None and uses_pallas()
@@ -172,25 +170,12 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
             attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                                    key_mask=None if exact else keys_seen, k_new=k, v_new=v)
         else:
-            attn = _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
+            attn = attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
         return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
                            key_mask=None if exact else keys_seen)
     return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
-
-
-def _attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):
-    """Attention as if k, v [B, T, KVH, D] were written, without writing the pools; mask from
-    `unwritten_keys_mask`.
-
-    XLA cannot update buffers in place across the branches of a `lax.switch` (it copies every
-    pool in and out of the branch each step); a verify pass inside one defers its writes instead.
-    On the CPU attention backend the kernel reads the new rows where they are.
-    """
-    if attention_backend() == "cpu" and cpu_attention.kernel_applies(q, k_pages):
-        return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k, v)
-    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k, v)
 
 
 def write_new_kv(cache: PagedKVCache, new_kv, slots, valid) -> PagedKVCache:
@@ -313,7 +298,7 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     positions whose logits are computed (all when None; an empty K skips the head).
     hidden_layers: indices of decoder layers whose output residual stream is returned.
     defer_kv_write: return the new K/V in `new_kv` instead of writing them (the cache comes back
-    unchanged); for passes inside `lax.switch` branches (see `_attention_unwritten`).
+    unchanged); for passes inside `lax.switch` branches (see `attention.attention_unwritten`).
     """
     b, t = tokens.shape
     if valid is None:

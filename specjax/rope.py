@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.cpu_matmul import kernel_in_use
+from specjax.cpu.matmul import kernel_in_use
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import on_cpu_path
+from specjax.attention import on_cpu_path
 
 
 class SamplingError(ValueError):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kernels_pallas import attention_mesh
+from specjax.attention import attention_mesh
 from specjax.accept import AcceptResult, accept, accept_draws
 from specjax.cache import PagedKVCache
 from specjax.commit import commit

@@ -7,10 +7,10 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import on_cpu_path
+from specjax.attention import on_cpu_path
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.cpu_matmul import kernel_in_use
+from specjax.cpu.matmul import kernel_in_use
 from specjax.draft_tree import DraftTree, ancestor_mask, tree_positions
 from specjax.model import ForwardOutput, forward, write_new_kv
 from specjax.sampling import argmax_last
@@ -46,7 +46,7 @@ def padded_width(tree_size: int) -> int:
     """The width a whole tree is verified at: with XLA's matrix products 5-7 nodes as 8 and 9-15
     as 16, because XLA:CPU's products over such row counts cost more than over 8 or 16 rows
     (measured at 5-7, 9, 10 and 12, timings not kept in docs/; the rule: docs/design.md,
-    "Kernel dispatch"; padding costs little on a GPU). The CPU kernel of `specjax.cpu_matmul`
+    "Kernel dispatch"; padding costs little on a GPU). The CPU kernel of `specjax.cpu.matmul`
     has no such steps: trees run as they are."""
     if kernel_in_use():
         return tree_size

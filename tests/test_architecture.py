@@ -1,5 +1,8 @@
 """The module graph has no cycle, function-level imports included: every module of specjax/,
 training/, convert/ and kernels_pallas/ can be read (and changed) knowing only what it imports.
+The layers hold (docs/architecture.md): kernels_pallas/ imports nothing of the project, specjax/
+imports training/ and convert/ only from the modules named in `UPWARD`, and only
+specjax/settings.py reads the environment.
 
 (Importing `a.b` also runs package `a`'s __init__; that implicit edge is not counted, as a
 package's __init__ only gathers its modules' public names.)
@@ -12,6 +15,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("specjax", "training", "convert", "kernels_pallas")
+# The specjax modules allowed to import a package of a higher layer, and why.
+UPWARD = {
+    "specjax.cli": {"training", "convert"},  # the command's `train` and `convert` subcommands
+    "specjax.loading": {"convert"},  # embedded models and GGUF files are converted on load
+}
 
 
 def modules() -> dict[str, Path]:
@@ -98,3 +106,41 @@ def test_the_step_reads_proposer_attributes_without_fallbacks():
     hits = [f"{f.relative_to(ROOT)}:{n}" for f in (ROOT / "specjax").rglob("*.py")
             for n, line in enumerate(f.read_text().splitlines(), 1) if "getattr(proposer" in line]
     assert not hits, hits
+
+
+def test_kernels_pallas_imports_nothing_of_the_project():
+    """kernels_pallas/ is the lowest layer: the backend choice lives in specjax.attention."""
+    mods = modules()
+    found = {m: sorted(t for t in imported(m, f, mods) if not t.startswith("kernels_pallas"))
+             for m, f in mods.items() if m.startswith("kernels_pallas")}
+    assert len(found) >= 4
+    assert not any(found.values()), {m: t for m, t in found.items() if t}
+
+
+def test_specjax_imports_training_and_convert_only_where_allowed():
+    mods = modules()
+    found = {}
+    for m, f in mods.items():
+        if m.split(".")[0] != "specjax":
+            continue
+        up = {t.split(".")[0] for t in imported(m, f, mods)} & {"training", "convert"}
+        if up - UPWARD.get(m, set()):
+            found[m] = sorted(up)
+    assert not found, found
+
+
+def test_only_settings_reads_the_environment():
+    """Every SPECJAX_* variable (and CXX) is declared and read in specjax/settings.py."""
+    reads = ("environ.get(", "environ[", "getenv(")
+    hits = [f"{f.relative_to(ROOT)}:{n}" for f in modules().values()
+            if f != ROOT / "specjax" / "settings.py"
+            for n, line in enumerate(f.read_text().splitlines(), 1)
+            if any(r in line for r in reads)]
+    assert not hits, hits
+
+
+def test_docs_list_every_setting():
+    from specjax.settings import CXX, VARIABLES
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"| `{v.name}` |" in text for v in (*VARIABLES, CXX))

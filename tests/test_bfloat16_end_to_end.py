@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 
-from kernels_pallas import use_attention_backend  # noqa: E402
+from specjax.attention import use_attention_backend  # noqa: E402
 from specjax import Engine  # noqa: E402
 
 

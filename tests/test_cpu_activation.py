@@ -1,13 +1,13 @@
-"""The MLP activation kernel (`specjax.cpu_activation.swiglu`) against XLA's silu(gate) * up."""
+"""The MLP activation kernel (`specjax.cpu.activation.swiglu`) against XLA's silu(gate) * up."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.cpu_activation import swiglu
-from specjax.cpu_matmul import use_cpu_matmul
-from specjax.cpu_native import unsupported_reason
+from specjax.cpu.activation import swiglu
+from specjax.cpu.matmul import use_cpu_matmul
+from specjax.cpu.native import unsupported_reason
 
 needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
                                   reason=f"kernel unavailable: {unsupported_reason()}")

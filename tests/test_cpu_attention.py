@@ -1,4 +1,4 @@
-"""The native paged-attention kernel on CPU (specjax.cpu_attention) against the XLA reference."""
+"""The native paged-attention kernel on CPU (specjax.cpu.attention) against the XLA reference."""
 
 import os
 import subprocess
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import attention_backend, use_attention_backend
-from specjax.cpu_attention import TARGET, _reference, cpu_paged_attention
-from specjax.cpu_native import unsupported_reason
+from specjax.attention import attention_backend, use_attention_backend
+from specjax.cpu.attention import TARGET, _reference, cpu_paged_attention
+from specjax.cpu.native import unsupported_reason
 
 needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
                                   reason=f"kernel unavailable: {unsupported_reason()}")
@@ -166,7 +166,7 @@ def test_auto_backend_on_one_and_several_cpu_devices():
     if unsupported_reason() is None:
         with use_attention_backend("auto"):
             assert attention_backend() == "cpu"
-    code = ("import jax\nfrom kernels_pallas import attention_backend\n"
+    code = ("import jax\nfrom specjax.attention import attention_backend\n"
             "print(jax.device_count(), attention_backend())\n")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                SPECJAX_ATTENTION="auto")

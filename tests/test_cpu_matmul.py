@@ -1,4 +1,4 @@
-"""The native few-row CPU product (specjax.cpu_matmul) against numpy and XLA."""
+"""The native few-row CPU product (specjax.cpu.matmul) against numpy and XLA."""
 
 import os
 import subprocess
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import cpu_matmul
-from specjax.cpu_matmul import TARGET, rows_matmul, unsupported_reason, use_cpu_matmul
+from specjax.cpu import matmul as cpu_matmul
+from specjax.cpu.matmul import TARGET, rows_matmul, unsupported_reason, use_cpu_matmul
 from specjax.model import head_logits, linear
 
 needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
@@ -143,7 +143,7 @@ def test_packed_weight_gives_the_plain_weights_results(n, k):
     """`pack_weight` round-trips; a packed weight's products equal the plain weight's bit for bit
     (a plain one is packed on the way), take_rows picks the same rows, and a packed weight takes
     the kernel for more than MAX_ROWS rows too, each row as it comes alone."""
-    from specjax.cpu_matmul import PackedWeight, pack_weight, take_rows
+    from specjax.cpu.matmul import PackedWeight, pack_weight, take_rows
 
     rng = np.random.default_rng(n + k)
     w = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32))
@@ -177,7 +177,7 @@ def test_packed_model_decodes_bit_for_bit_as_the_plain_one(tied):
     and gradients flow through a packed weight."""
     from specjax.cache import PagedKVCache, init_pages
     from specjax.config import ModelConfig
-    from specjax.cpu_matmul import PackedWeight, pack_params, unpack_params
+    from specjax.cpu.matmul import PackedWeight, pack_params, unpack_params
     from specjax.model import causal_mask, forward, init_params
 
     config = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=96, num_layers=2,
@@ -224,7 +224,8 @@ def test_draft_weights_packs_draft_matrices_in_float16():
     """A draft network's matrices, plain or packed, come packed in float16 with
     SPECJAX_DRAFT_WEIGHTS=float16 (float32 with float32); vectors stay; nothing changes without
     the kernel."""
-    from specjax.cpu_matmul import PackedWeight, draft_weights, pack_weight, use_draft_weights
+    from specjax.cpu.draft_weights import draft_weights, use_draft_weights
+    from specjax.cpu.matmul import PackedWeight, pack_weight
 
     rng = np.random.default_rng(8)
     tree = {"w": jnp.asarray(rng.standard_normal((40, 16)).astype(np.float32)),
@@ -250,8 +251,8 @@ def test_int8_weights_multiply_as_their_scaled_rows_and_alone():
     """An int8 weight (`int8_weight`, SPECJAX_DRAFT_WEIGHTS=int8): rounded per row within half a
     step of its scale, products equal to the float32 product of the scaled rows (the kernel and
     XLA's fallback), each row bit-identical whatever the row count; rows looked up scaled."""
-    from specjax.cpu_matmul import PackedWeight, draft_weights, int8_weight, take_rows, \
-        use_draft_weights
+    from specjax.cpu.draft_weights import draft_weights, use_draft_weights
+    from specjax.cpu.matmul import PackedWeight, int8_weight, take_rows
 
     rng = np.random.default_rng(9)
     w = rng.standard_normal((203, 45)).astype(np.float32)

@@ -1,13 +1,13 @@
-"""The draft top-k kernel (`specjax.cpu_top_k`) against lax.top_k over jax.nn.log_softmax."""
+"""The draft top-k kernel (`specjax.cpu.top_k`) against lax.top_k over jax.nn.log_softmax."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.cpu_matmul import use_cpu_matmul
-from specjax.cpu_native import unsupported_reason
-from specjax.cpu_top_k import top_log_probs
+from specjax.cpu.matmul import use_cpu_matmul
+from specjax.cpu.native import unsupported_reason
+from specjax.cpu.top_k import top_log_probs
 
 needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
                                   reason=f"kernel unavailable: {unsupported_reason()}")

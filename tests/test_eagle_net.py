@@ -201,7 +201,8 @@ def test_draft_weights_take_their_setting_on_the_cpu_kernel_and_output_stays_van
     import jax
 
     from specjax import Engine, load_model
-    from specjax.cpu_matmul import DRAFT_AUTO, PackedWeight, kernel_in_use, use_draft_weights
+    from specjax.cpu.draft_weights import DRAFT_AUTO, use_draft_weights
+    from specjax.cpu.matmul import PackedWeight, kernel_in_use
     from specjax.methods import make_proposer
 
     d, _, _, _ = eagle_dir

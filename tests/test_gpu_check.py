@@ -49,7 +49,7 @@ def test_smoke_run_writes_every_section(tmp_path):
 
 
 def test_without_gpu_says_so_in_one_line():
-    from kernels_pallas.dispatch import gpu_supports_kernel
+    from specjax.attention import gpu_supports_kernel
 
     if gpu_supports_kernel():  # there the command would start the whole GPU run
         pytest.skip("a CUDA GPU is present")
@@ -77,7 +77,7 @@ MESH_SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, "benchmarks")
     import gpu_check
-    from kernels_pallas import use_attention_backend
+    from specjax.attention import use_attention_backend
     from specjax import Engine
     from specjax.sharding import make_mesh
 

@@ -100,7 +100,7 @@ def test_shared_lm_head_read_once_and_draft_vocabulary(target):
     jaxpr = jax.make_jaxpr(lambda h: proposer.propose(
         {"heads": heads, "lm_head": lm_head}, (), SpecContext(ctx.tokens, ctx.lengths, None, h),
         None, None)[0])(hidden)
-    # XLA's dot_general, or specjax.cpu_matmul's kernel (a custom_vjp_call) on this CPU
+    # XLA's dot_general, or specjax.cpu.matmul's kernel (a custom_vjp_call) on this CPU
     products = [sorted(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns
                 if e.primitive.name in ("dot_general", "custom_vjp_call")
                 and CFG.vocab_size in e.outvars[0].aval.shape]

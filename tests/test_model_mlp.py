@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import specjax.model as model
-from specjax.cpu_matmul import MAX_ROWS
+from specjax.cpu.matmul import MAX_ROWS
 
 
 def reference(x, layer, eps):

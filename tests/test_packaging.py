@@ -41,5 +41,5 @@ def _check_wheel(tmp_path):
     for kind in ("eagle", "eagle3", "medusa", "redrafter"):
         for f in ("heads.safetensors", "specjax.json"):
             assert f"specjax/shipped_heads/smollm2-135m/{kind}/{f}" in names, (kind, f)
-    assert "specjax/cpu_kernels/rows_matmul.cc" in names
+    assert "specjax/cpu/rows_matmul.cc" in names
     assert not any(n.startswith("examples/") for n in names)

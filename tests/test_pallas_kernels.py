@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from jax import export
 
-from kernels_pallas.dispatch import gpu_supports_kernel
 from kernels_pallas.random_cases import TOL, make_case, rel_err
-from kernels_pallas import (attention_backend, paged_attention, tree_paged_attention,
-                            tree_paged_attention_reference, use_attention_backend)
+from kernels_pallas import tree_paged_attention, tree_paged_attention_reference
+from specjax.attention import (attention_backend, gpu_supports_kernel, paged_attention,
+                               use_attention_backend)
 from specjax import Engine, ModelConfig, init_params
 from specjax.cache import PagedKVCache, init_pages
 from specjax.model import causal_mask, decoder_layers, forward, lm_head_weight

@@ -15,7 +15,7 @@ import torch
 
 from specjax import Engine
 from specjax.checkpoint import CheckpointError
-from specjax.cpu_matmul import unpack_params
+from specjax.cpu.matmul import unpack_params
 from specjax.cli import main
 from specjax.loading import load_model
 from specjax.model import lm_head_weight

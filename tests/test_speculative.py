@@ -611,7 +611,7 @@ def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
     """A whole 7-node tree is verified padded to 8 nodes: its logits, features and pools equal
     those of one unpadded pass, and the padding writes nothing."""
     import specjax.verify as verify_mod
-    from specjax.cpu_matmul import unsupported_reason, use_cpu_matmul
+    from specjax.cpu.matmul import unsupported_reason, use_cpu_matmul
 
     if unsupported_reason() is None:  # the CPU kernel has no costly widths: nothing is padded
         with use_cpu_matmul("kernel"):

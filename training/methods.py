@@ -330,7 +330,7 @@ class EagleMethod(TrainMethod):
             pparams["lm_head"], pparams["draft_ids"] = draft_vocabulary(pparams["lm_head"], ids,
                                                                         None)
         # packed once for the CPU kernel (float32 kept: the heads draft as trained), not per call
-        from specjax.cpu_matmul import draft_weights, use_draft_weights
+        from specjax.cpu.draft_weights import draft_weights, use_draft_weights
 
         with use_draft_weights("float32"):
             packed = draft_weights({"layers": net["layers"], "lm_head": pparams["lm_head"]})

@@ -470,7 +470,7 @@ def training_store(root: Path, extra_data: Sequence[str], data_dir: Path) -> Fea
 def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = True,
         model=None) -> dict:
     """The whole pipeline up to cfg.until; returns paths and results of the stages run."""
-    from specjax.cpu_matmul import unpack_params
+    from specjax.cpu.matmul import unpack_params
     from specjax.heads import save_heads
     from specjax.loading import load_model
     from training.data import DistillConfig, distill, read_prompt_file, sequences_of

@@ -38,7 +38,7 @@ from flax import struct
 
 from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
-from specjax.cpu_top_k import top_log_probs
+from specjax.cpu.top_k import top_log_probs
 from specjax.draft_tree import DraftTree, chain, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits

@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import paged_attention, uses_pallas, write_paged_kv
+from kernels_pallas import write_paged_kv
+from specjax.attention import paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.cpu_matmul import take_rows
+from specjax.cpu.matmul import take_rows
 from specjax.model import _mlp_block, head_logits, key_mask, linear, rms_norm
 from specjax.rope import apply_rope, rope_cos_sin
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.cpu_matmul import take_rows
+from specjax.cpu.matmul import take_rows
 from specjax.model import decoder_layers, head_logits, linear
 
 

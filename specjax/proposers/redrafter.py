@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.draft_tree import DraftTree
-from specjax.cpu_matmul import draft_weights, take_rows
+from specjax.cpu.draft_weights import draft_weights
+from specjax.cpu.matmul import take_rows
 from specjax.model import head_logits
 from specjax.sampling import kth_largest
 from specjax.spec_decode import ProposerBase

@@ -1,5 +1,5 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] for the rows m of a decode, verify or draft pass (or more),
-// the weight packed in panels of 32 rows: p[n / 32][k][n % 32] (specjax.cpu_matmul.pack_weight).
+// the weight packed in panels of 32 rows: p[n / 32][k][n % 32] (specjax.cpu.matmul.pack_weight).
 //
 // Few-row passes are bound by streaming the weight from memory once. Each panel is one
 // sequential stream; per k the kernel loads the panel's 32 weights (two AVX-512 vectors) and

@@ -1,4 +1,4 @@
-"""Matrix products of a few rows on CPU through a native kernel (`cpu_kernels/rows_matmul.cc`).
+"""Matrix products of a few rows on CPU through a native kernel (`rows_matmul.cc`).
 
 A decode, verify or draft pass multiplies a handful of rows by every weight, so it is bound by
 streaming the weights from memory; XLA:CPU's GEMM packs the weight and turns compute-bound from a
@@ -9,10 +9,10 @@ the row count: a row's product is bit-identical in a one-token decode and in a T
 `load_model` packs a model's weights once (`pack_params`); a plain [N, K] weight is packed on
 the way, a copy per call.
 
-The kernel is built with the machine's g++ on first use (`specjax.cpu_native`) and called as an
+The kernel is built with the machine's g++ on first use (`specjax.cpu.native`) and called as an
 XLA FFI custom call. Chosen when a function is traced:
-- `SPECJAX_CPU_MATMUL` = `auto` (default) | `kernel` | `xla`; `use_cpu_matmul(name)` overrides
-  it inside a `with` block.
+- `SPECJAX_CPU_MATMUL` (`specjax.settings`) = `auto` (default) | `kernel` | `xla`;
+  `use_cpu_matmul(name)` overrides it inside a `with` block.
 - `auto` uses the kernel for float32 rows times float32, float16 or int8 weights (widened
   exactly in registers: a float16 weight streams half the bytes, an int8 one a quarter), at
   most `MAX_ROWS` rows of a plain weight and any number of a packed one (int8 weights are
@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.trace_setting import TraceSetting
-from specjax.cpu_native import register, unsupported_reason  # noqa: F401 (re-exported)
+from specjax.cpu.native import register, unsupported_reason  # noqa: F401 (re-exported)
+from specjax.settings import CPU_MATMUL as _SETTING
 
-ENV_VAR = "SPECJAX_CPU_MATMUL"
-SETTINGS = ("auto", "kernel", "xla")
+ENV_VAR = _SETTING.name
+SETTINGS = _SETTING.choices
 TARGET = "specjax_rows_matmul"  # the float32-weight target; float16 adds "_f16", int8 "_s8"
 TARGETS = {jnp.dtype(jnp.float32): TARGET,
            jnp.dtype(jnp.float16): "specjax_rows_matmul_f16",
@@ -46,18 +46,6 @@ TARGETS = {jnp.dtype(jnp.float32): TARGET,
 # AVX-512, 6 with AVX2, the later passes from cache) takes the product, packing the weight on the
 # way; more (an unpacked model's prefill, training batches) take XLA's GEMM.
 MAX_ROWS = 64
-_SETTING = TraceSetting(ENV_VAR, SETTINGS, "CPU matmul setting")
-# Draft networks' weights on the kernel (draft_weights): `auto` = DRAFT_AUTO.
-DRAFT_ENV_VAR = "SPECJAX_DRAFT_WEIGHTS"
-DRAFT_SETTINGS = ("auto", "float32", "float16", "int8")
-DRAFT_AUTO = "int8"
-_DRAFT_SETTING = TraceSetting(DRAFT_ENV_VAR, DRAFT_SETTINGS, "draft weights setting")
-
-
-def use_draft_weights(name: str):
-    """Force draft weights to `name` (one of DRAFT_SETTINGS) inside a `with` block (proposers
-    made there)."""
-    return _DRAFT_SETTING.use(name)
 
 
 def cpu_matmul_setting() -> str:
@@ -96,36 +84,6 @@ def kernel_applies(x, w, out_dtype=None) -> bool:
     return fits and kernel_in_use()
 
 
-def draft_weights(tree):
-    """`tree` with its 2-D float32 matrices packed for the kernel (`PackedWeight`) in the draft
-    weights setting's type, when the kernel takes products now; else unchanged. For a draft
-    network, whose few-row products stream each weight from memory: float16 streams half the
-    bytes (widened exactly in registers), int8 a quarter (rounded per row, `int8_weight`).
-    Rounding a proposer's weights changes what it drafts, never the output, which the target
-    verifies. $SPECJAX_DRAFT_WEIGHTS (or `use_draft_weights`): auto (DRAFT_AUTO), float32,
-    float16 (kept float32 if a value does not fit) or int8."""
-    if not kernel_in_use():
-        return tree
-    is_mat = lambda a: (isinstance(a, PackedWeight)  # noqa: E731
-                        or (getattr(a, "ndim", 0) == 2 and a.dtype == jnp.float32))
-    mats = [a for a in jax.tree_util.tree_leaves(tree, is_leaf=is_mat) if is_mat(a)]
-    kind = _DRAFT_SETTING.get()
-    kind = DRAFT_AUTO if kind == "auto" else kind
-    if kind == "float16" and not all(
-            bool(jnp.all(jnp.abs(as_array(a)) <= jnp.finfo(jnp.float16).max)) for a in mats):
-        kind = "float32"
-
-    def convert(a):
-        if not is_mat(a) or a.dtype != jnp.float32:
-            return a
-        if kind == "int8":
-            return int8_weight(a)
-        a = pack_weight(a)
-        return PackedWeight(a.panels.astype(jnp.float16), a.rows) if kind == "float16" else a
-
-    return jax.tree_util.tree_map(convert, tree, is_leaf=is_mat)
-
-
 def int8_weight(w) -> PackedWeight:
     """w [N, K] rounded to int8 row by row (symmetric: scale = max |row| / 127), packed."""
     w = as_array(w).astype(jnp.float32)
@@ -151,11 +109,11 @@ PANEL = 32  # weight rows per panel of the kernel's layout
 class PackedWeight:
     """A weight [rows, K] in the kernel's layout: panels [ceil(rows / 32), K, 32], panel q holding
     rows 32q .. 32q + 31 (zero-padded) with k outermost, so the kernel reads each panel as one
-    stream and accumulates 32 outputs in vector lanes (`cpu_kernels/rows_matmul.cc`).
+    stream and accumulates 32 outputs in vector lanes (`rows_matmul.cc`).
 
-    Made once when a model is loaded for the kernel (`pack_params`, `draft_weights`); `linear` and
-    `head_logits` take it where they take a [rows, K] weight. An int8 weight carries a float32
-    `scale` per row (padded to whole panels): row n is panels' row n times scale[n]."""
+    Made once when a model is loaded for the kernel (`pack_params`, `specjax.cpu.draft_weights`);
+    `linear` and `head_logits` take it where they take a [rows, K] weight. An int8 weight carries
+    a float32 `scale` per row (padded to whole panels): row n is panels' row n times scale[n]."""
 
     panels: jax.Array
     rows: int

@@ -1,12 +1,14 @@
-"""One attention entry point for the model: the Pallas kernel on GPU, a native kernel on CPU,
-the XLA reference elsewhere.
+"""Attention over the paged KV cache, the one place its backend is chosen: the Pallas kernel
+(`kernels_pallas.tree_paged_attention`) on GPU, the native CPU kernel (`specjax.cpu.attention`)
+on CPU, the XLA reference (`kernels_pallas.tree_paged_attention_reference`) elsewhere.
 
 The backend is chosen when a function is traced:
-- `SPECJAX_ATTENTION` = `auto` (default) | `pallas` | `pallas-interpret` | `cpu` | `xla` sets it
-  for the process; `use_attention_backend(name)` overrides it inside a `with` block.
+- `SPECJAX_ATTENTION` (`specjax.settings`) = `auto` (default) | `pallas` | `pallas-interpret` |
+  `cpu` | `xla` sets it for the process; `use_attention_backend(name)` overrides it inside a
+  `with` block.
 - `auto` runs the Pallas kernel when JAX's default backend is a CUDA GPU of compute capability
   >= 8.0 and the shapes suit it (`unsupported_reason`); on a single CPU device where the native
-  kernels build, `specjax.cpu_attention` (float32 heads of a multiple of 64); the reference
+  kernels build, `specjax.cpu.attention` (float32 heads of a multiple of 64); the reference
   otherwise. A forced `pallas` or `pallas-interpret` raises on shapes the kernel cannot take
   instead of falling back silently; a forced `cpu` raises when the native kernel cannot build.
 
@@ -34,11 +36,12 @@ from kernels_pallas.tree_paged_attention import tree_paged_attention, unsupporte
 from kernels_pallas.tree_paged_attention_reference import (attention_with_new_rows,
                                                            tree_paged_attention_reference,
                                                            unwritten_keys_mask, visible_keys_mask)
-from kernels_pallas.trace_setting import TraceSetting
+from specjax.cpu import attention as cpu_attention
+from specjax.cpu.native import register
+from specjax.settings import ATTENTION as _SETTING
 
-ENV_VAR = "SPECJAX_ATTENTION"
-SETTINGS = ("auto", "pallas", "pallas-interpret", "cpu", "xla")
-_SETTING = TraceSetting(ENV_VAR, SETTINGS, "attention backend")
+ENV_VAR = _SETTING.name
+SETTINGS = _SETTING.choices
 
 
 _MESH = contextvars.ContextVar("attention_mesh", default=None)
@@ -106,11 +109,9 @@ def gpu_supports_kernel() -> bool:
 
 
 def cpu_supports_kernel() -> bool:
-    """True on a single CPU device where specjax's native kernels build (`specjax.cpu_native`)."""
+    """True on a single CPU device where specjax's native kernels build (`specjax.cpu.native`)."""
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
-    from specjax.cpu_native import register
-
     return register() is None
 
 
@@ -154,13 +155,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, *, sc
         return _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale,
                               key_mask, k_new, v_new)
     if backend == "cpu":
-        from specjax.cpu_attention import cpu_paged_attention, kernel_applies
-
-        if kernel_applies(q, k_pages):
+        if cpu_attention.kernel_applies(q, k_pages):
             if key_mask is None:
                 key_mask = visible_keys_mask(lengths, tree_mask,
                                              block_tables.shape[1] * k_pages.shape[2])
-            return cpu_paged_attention(q, k_pages, v_pages, block_tables, key_mask, scale=scale)
+            return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, key_mask,
+                                                     scale=scale)
     elif backend != "xla":
         if backend == "pallas" and jax.default_backend() == "gpu" and not gpu_supports_kernel():
             raise ValueError("attention backend 'pallas' forced, but the GPU's compute capability "
@@ -198,3 +198,16 @@ def _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale,
     mask = unwritten_keys_mask(seen, slots, jnp.ones(slots.shape, bool))
     return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k_new, v_new,
                                    scale=scale)
+
+
+def attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):
+    """Attention as if k, v [B, T, KVH, D] were written, without writing the pools; mask from
+    `unwritten_keys_mask`.
+
+    XLA cannot update buffers in place across the branches of a `lax.switch` (it copies every
+    pool in and out of the branch each step); a verify pass inside one defers its writes instead.
+    On the CPU attention backend the kernel reads the new rows where they are.
+    """
+    if attention_backend() == "cpu" and cpu_attention.kernel_applies(q, k_pages):
+        return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k, v)
+    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k, v)

@@ -1,5 +1,5 @@
 """Tree-masked attention over the paged KV cache on CPU through a native kernel
-(`cpu_kernels/paged_attention.cc`), tested against the XLA reference it replaces.
+(`paged_attention.cc`), tested against the XLA reference it replaces.
 
 XLA's version (kernels_pallas.tree_paged_attention_reference) copies every page a sequence owns,
 appends a pass's new rows, masks and softmaxes over every slot: ~4 ms of a one-token SmolLM2
@@ -8,7 +8,7 @@ arithmetic. The kernel walks each query row's visible keys straight from the pag
 order and then the new rows, with the same sums for every row whatever the pass's width: a
 row's attention is bit-identical in a one-token decode and in a verify pass.
 
-Chosen through the attention backend (`kernels_pallas.dispatch`: `SPECJAX_ATTENTION=cpu`, or
+Chosen through the attention backend (`specjax.attention`: `SPECJAX_ATTENTION=cpu`, or
 `auto` on a single CPU device where the native kernels build) for float32 heads whose size is a
 multiple of 64 (at most 256); other shapes take the reference. Gradients run through the
 reference; lowering for another platform takes the reference.
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.tree_paged_attention_reference import attention_with_new_rows
+from specjax.cpu.native import register
 
 TARGET = "specjax_paged_attention"
 
@@ -82,8 +83,6 @@ def cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k_new=None, v_n
     if k_new is None:
         k_new = v_new = jnp.zeros((b, 0, kvh, d), q.dtype)
     scale = d ** -0.5 if scale is None else float(scale)
-    from specjax.cpu_native import register
-
     reason = register()
     if reason is not None:
         raise RuntimeError(f"CPU attention kernel unavailable: {reason}")

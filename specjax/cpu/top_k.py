@@ -1,5 +1,5 @@
 """A draft's k best tokens and their log-probabilities, per row of logits, through a native CPU
-kernel (`cpu_kernels/top_log_probs.cc`) where the CPU kernels run, else XLA's.
+kernel (`top_log_probs.cc`) where the CPU kernels run, else XLA's.
 
 EAGLE expands its tree by the top k of a log-softmax over the draft vocabulary several times a
 step; on XLA:CPU that is two library reductions and a sort-based top_k, ~28 us for 3 rows of
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.cpu_matmul import kernel_in_use
+from specjax.cpu.matmul import kernel_in_use
 
 TARGET = "specjax_top_log_probs"
 

@@ -1,5 +1,5 @@
 """A Llama MLP's activation, silu(gate) * up, through a native CPU kernel
-(`cpu_kernels/swiglu.cc`) where the CPU kernels run, else XLA's.
+(`swiglu.cc`) where the CPU kernels run, else XLA's.
 
 XLA:CPU evaluates the fused sigmoid at about a nanosecond a value: ~14 us for the 15360 values of
 a 10-row verify, 30 times a pass (~0.4 ms of a ~30 ms EAGLE-2 step, 5x a decode step's share).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.cpu_matmul import kernel_in_use
+from specjax.cpu.matmul import kernel_in_use
 
 TARGET = "specjax_swiglu"
 

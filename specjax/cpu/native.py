@@ -1,8 +1,8 @@
-"""Native CPU kernels (`cpu_kernels/*.cc`): built with the machine's g++ on first use, cached
+"""Native CPU kernels (`specjax/cpu/*.cc`): built with the machine's g++ on first use, cached
 under `<specjax cache>/kernels`, and registered as XLA FFI custom calls.
 
-`specjax.cpu_matmul` (few-row matrix products), `specjax.cpu_attention` (paged attention),
-`specjax.cpu_activation` (an MLP's silu(gate) * up) and `specjax.cpu_top_k` (a draft's best
+`specjax.cpu.matmul` (few-row matrix products), `specjax.cpu.attention` (paged attention),
+`specjax.cpu.activation` (an MLP's silu(gate) * up) and `specjax.cpu.top_k` (a draft's best
 tokens) decide when to call them; this module only knows whether they can run here and builds
 them.
 """
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import jax
 
-_DIR = Path(__file__).with_name("cpu_kernels")
+from specjax.settings import cache_dir, compiler
+
+_DIR = Path(__file__).parent
 SOURCES = tuple(sorted(_DIR.glob("*.cc")))
 HEADERS = tuple(sorted(_DIR.glob("*.h")))
 # FFI target name -> handler symbol in the library.
@@ -51,19 +53,17 @@ def unsupported_reason() -> str | None:
         return f"an x86-64 CPU is needed (this is {platform.machine()})"
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         return "the CPU lacks AVX2, FMA or F16C"
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
+    if shutil.which(compiler()) is None:
         return "no C++ compiler (g++ or $CXX) to build it"
     return None
 
 
 def library_path() -> Path:
-    from convert.registry import cache_dir
-
-    compiler = os.environ.get("CXX", "g++")
+    cxx = compiler()
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
         key.update(source.name.encode() + source.read_bytes())
-    key.update(" ".join([compiler, jax.__version__, *sorted(cpu_flags())]).encode())
+    key.update(" ".join([cxx, jax.__version__, *sorted(cpu_flags())]).encode())
     return cache_dir() / "kernels" / f"specjax_cpu-{key.hexdigest()[:16]}.so"
 
 
@@ -78,7 +78,7 @@ def register() -> str | None:
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
-        cmd = [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-shared", "-fPIC",
+        cmd = [compiler(), "-O3", "-march=native", "-shared", "-fPIC",
                "-std=c++17", "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
