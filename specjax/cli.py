@@ -56,6 +56,21 @@ def _add_generate(sub):
     p.add_argument("--cache-pages", type=int, default=None, help="KV pages in the pool")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_method_args(p)
+    par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through "
+                               "jax.distributed)")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor parallel: devices each layer is split over (divides KV heads)")
+    par.add_argument("--dp", type=int, default=1,
+                     help="data parallel: device groups the batch is split over")
+    par.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="multi-host: address of process 0 (run the same command on every host)")
+    par.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
+    par.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
+
+
+def _add_method_args(p):
+    """--method's option flags (generate and serve): each is a method option of the same name."""
     d = p.add_argument_group("draft (Draft-Target-Model)")
     d.add_argument("--max-draft-len", type=int, default=None, help="tokens drafted per step "
                    "(default 4)")
@@ -129,16 +144,6 @@ def _add_generate(sub):
     k.add_argument("--min-matching-ngram-size", type=int, default=None,
                    help="shortest n-gram to match (default 1, or the heads' decoding_defaults "
                         "for a graft; 2 suits CPUs, where verifying costs more)")
-    par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through "
-                               "jax.distributed)")
-    par.add_argument("--tp", type=int, default=1,
-                     help="tensor parallel: devices each layer is split over (divides KV heads)")
-    par.add_argument("--dp", type=int, default=1,
-                     help="data parallel: device groups the batch is split over")
-    par.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                     help="multi-host: address of process 0 (run the same command on every host)")
-    par.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
-    par.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
 
 
 def _add_convert(sub):
@@ -163,13 +168,18 @@ def read_prompts(args) -> list[str]:
 
 
 def _validate_generate(args):
-    if args.method not in METHODS:
-        raise UsageError(f"unknown method '{args.method}' (available: {', '.join(METHODS)})")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     _sampling_of(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    _validate_method_args(args)
+
+
+def _validate_method_args(args):
+    """Checks of --method, its option flags and --page-size (generate and serve)."""
+    if args.method not in METHODS:
+        raise UsageError(f"unknown method '{args.method}' (available: {', '.join(METHODS)})")
     if args.page_size < 1:
         raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
     for flag in ("max_draft_len", "prompt_lookup_num_tokens"):
@@ -184,7 +194,7 @@ def _validate_generate(args):
                          f"--max-matching-ngram-size, got {low} and {high}")
 
 
-# flags of `specjax generate` that are method options of the same name (`method_configs`)
+# flags of `specjax generate`/`serve` that are method options of the same name (`method_configs`)
 METHOD_FLAGS = ("max_draft_len", "draft_layers", "draft_model", "prompt_lookup_num_tokens",
                 "max_matching_ngram_size", "min_matching_ngram_size", "lookup_tokens",
                 "lookup_width", "heads", "posterior_threshold", "posterior_alpha",
@@ -336,6 +346,61 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _add_serve(sub):
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, "
+                                     "any method)")
+    p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
+    p.add_argument("--method", default="vanilla", help=f"decoding method ({', '.join(METHODS)})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot before new ones get HTTP 429")
+    p.add_argument("--sync-steps", type=int, default=4,
+                   help="decoding steps between two looks at the queue and the streams")
+    p.add_argument("--cache-pages", type=int, default=None,
+                   help="KV pages in the pool (default: max-batch full contexts of 2048 tokens)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API "
+                                                             "(default: --model)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_method_args(p)
+
+
+def cmd_serve(args) -> int:
+    """Load the model and the method, then serve until SIGINT/SIGTERM (in-flight requests
+    finish first)."""
+    _validate_method_args(args)
+    for flag in ("max_batch", "max_queue", "sync_steps"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    config = method_config_of(args)
+    try:
+        import uvicorn
+
+        from specjax.serving.server import create_app
+    except ImportError as e:
+        raise UsageError(f"specjax serve needs the serve extra (pip install 'specjax[serve]'): "
+                         f"{e}") from None
+    from specjax.generate import Engine
+    from specjax.loading import load_model
+    from specjax.methods import make_proposer
+    from specjax.serving.scheduler import Scheduler
+
+    model = load_model(args.model)
+    proposer, pparams = make_proposer(config, model)
+    context = min(2048, model.config.max_position_embeddings)
+    pages = args.cache_pages or args.max_batch * -(-context // args.page_size) + 8
+    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size)
+    scheduler = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
+                          max_queue=args.max_queue, sync_steps=args.sync_steps)
+    app = create_app(scheduler, model.tokenizer, args.served_model_name or args.model)
+    print(f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _add_bench(sub):
     p = sub.add_parser("bench", help="benchmark decoding methods per prompt category (Spec-Bench style)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
@@ -382,13 +447,15 @@ def main(argv=None) -> int:
     _add_generate(sub)
     _add_convert(sub)
     _add_bench(sub)
+    _add_serve(sub)
     from training.cli import add_synthesize_parser, add_train_parser, run_synthesize, run_train
     add_train_parser(sub)
     add_synthesize_parser(sub)
     args = parser.parse_args(argv)
     try:
         return {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench,
-                "train": run_train, "synthesize-prompts": run_synthesize}[args.command](args)
+                "serve": cmd_serve, "train": run_train,
+                "synthesize-prompts": run_synthesize}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

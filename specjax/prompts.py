@@ -68,10 +68,15 @@ def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
     prompt), or with raw=True exactly as the tokenizer splits it."""
     if raw:
         return list(tokenizer(text).input_ids)
+    return encode_chat(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ([{"role", "content"}, ...]) through the model's chat
+    template, ending with the generation prompt of the assistant's turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("the model's tokenizer has no chat template; pass --raw (or use 'text' records)")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(rendered, add_special_tokens=False).input_ids)
 
 

@@ -85,7 +85,10 @@ class Handle:
             self.first_token_at = time.perf_counter()
         self.events.put(event)
         if self.notify is not None:
-            self.notify(event)
+            try:
+                self.notify(event)
+            except RuntimeError:  # the listener's event loop has closed: nobody is waiting
+                self.notify = None
 
     def result(self, timeout: float | None = None) -> list[int]:
         """Block until the request ends; its new tokens (raises on an error)."""

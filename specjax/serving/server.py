@@ -1,0 +1,322 @@
+"""An OpenAI-compatible HTTP server over the online scheduler (`specjax serve`).
+
+POST /v1/completions and /v1/chat/completions (the model's chat template), `stream: true` as
+server-sent events; GET /v1/models, /health and /metrics (Prometheus text). Each response's
+`usage` also carries the speculative figures of its request: `draft_tokens` (tree nodes past the
+root verified), `accepted_draft_tokens`, `acceptance_rate` and `steps` (target passes), in the
+last stream chunk too. Bad fields get HTTP 400 with a one-line message naming the field, a full
+queue 429 with Retry-After; a client that goes away frees its slot and pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request  # the serve extra: pip install 'specjax[serve]'
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from specjax.prompts import PromptError, encode_chat
+from specjax.sampling import SamplingConfig
+from specjax.serving.scheduler import Finished, QueueFull, RequestError
+
+DEFAULT_MAX_TOKENS = 128
+
+
+class FieldError(ValueError):
+    """A request field that is missing, of the wrong type or out of range."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"'{field}' {message}")
+        self.field = field
+
+
+def _number(body, field, default, kind=float, lo=None, hi=None, lo_open=False):
+    value = body.get(field, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not float(value).is_integer()):
+        raise FieldError(field, f"must be {'an integer' if kind is int else 'a number'}, got "
+                                f"{json.dumps(value)}")
+    value = kind(value)
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise FieldError(field, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise FieldError(field, f"must be <= {hi}, got {value}")
+    return value
+
+
+def parse_options(body: dict) -> dict:
+    """Sampling and length options of a request body (FieldError naming a bad field)."""
+    temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
+    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
+    top_k = _number(body, "top_k", 0, int, lo=0)
+    if top_k == -1:  # vLLM's "off"
+        top_k = 0
+    max_tokens = _number(body, "max_tokens", None, int, lo=1)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_completion_tokens", DEFAULT_MAX_TOKENS, int, lo=1)
+    seed = _number(body, "seed", 0, int)
+    n = _number(body, "n", 1, int, lo=1)
+    if n != 1:
+        raise FieldError("n", f"must be 1 (one answer per request), got {n}")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise FieldError("stop", "must be a string or a list of strings")
+    stop = [s for s in stop if s]
+    if len(stop) > 4:
+        raise FieldError("stop", f"takes at most 4 sequences, got {len(stop)}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise FieldError("stream", f"must be true or false, got {json.dumps(stream)}")
+    return dict(sampling=SamplingConfig(temperature, top_k, top_p), max_tokens=max_tokens,
+                seed=seed, stop=stop, stream=stream)
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: `push(tokens)` returns the new text that is
+    safe to send (no partial character, nothing that may still become a stop string) and whether
+    a stop string ended the answer."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.tokens: list[int] = []
+        self.sent = 0  # characters of the text sent
+        self.text = ""
+        self.stopped = False
+
+    def push(self, tokens: list[int], final: bool = False) -> str:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop)
+                if i >= 0]
+        if hits:
+            text, self.stopped, final = text[:min(hits)], True, True
+        safe = len(text)
+        if not final:
+            while safe > self.sent and text[safe - 1] == "\ufffd":
+                safe -= 1  # a character whose bytes have not all arrived
+            for s in self.stop:  # the text's end may be the start of a stop string
+                for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
+                    if text[safe - k:safe] == s[:k]:
+                        safe -= k
+                        break
+        self.text = text
+        out, self.sent = text[self.sent:safe], max(self.sent, safe)
+        return out
+
+
+def usage_of(handle, prompt_tokens: int) -> dict:
+    completion = len(handle.tokens)
+    drafted = handle.draft_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "steps": handle.steps,
+            "draft_tokens": drafted, "accepted_draft_tokens": handle.accepted_draft_tokens,
+            "acceptance_rate": round(handle.accepted_draft_tokens / drafted, 4) if drafted else 0.0}
+
+
+def _finish_reason(finished: Finished, stream: TextStream) -> str:
+    if stream.stopped or finished.reason == "stop":
+        return "stop"
+    return "length"
+
+
+def create_app(scheduler, tokenizer, model_name: str):
+    """The FastAPI application serving `scheduler` (started and stopped with the app)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if scheduler._thread is None:
+            scheduler.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+
+    app = FastAPI(title="specjax", lifespan=lifespan)
+    created = int(time.time())
+
+    def error(status: int, message: str, param: str | None = None, headers=None):
+        kind = "invalid_request_error" if status == 400 else (
+            "rate_limit_error" if status == 429 else "server_error")
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                       "code": None}}, status_code=status, headers=headers)
+
+    async def read_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise FieldError("body", "is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise FieldError("body", "must be a JSON object")
+        return body
+
+    async def serve(request: Request, chat: bool):
+        try:
+            body = await read_body(request)
+            options = parse_options(body)
+            if chat:
+                messages = body.get("messages")
+                if not (isinstance(messages, list) and messages and all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str)
+                        and isinstance(m.get("content"), str) for m in messages)):
+                    raise FieldError("messages", "must be a non-empty list of {role, content} "
+                                                 "objects with string content")
+                try:
+                    prompt = encode_chat(tokenizer, [{"role": m["role"], "content": m["content"]}
+                                                     for m in messages])
+                except PromptError as e:
+                    raise FieldError("messages", str(e)) from None
+            else:
+                text = body.get("prompt")
+                if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+                    text = text[0]
+                if not isinstance(text, str) or not text:
+                    raise FieldError("prompt", "must be a non-empty string")
+                prompt = list(tokenizer(text).input_ids)
+        except FieldError as e:
+            return error(400, str(e), e.field)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            handle = scheduler.submit(
+                prompt, options["max_tokens"], sampling=options["sampling"], seed=options["seed"],
+                notify=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        except QueueFull as e:
+            return error(429, str(e), headers={"Retry-After": "1"})
+        except RequestError as e:
+            return error(400, str(e), "max_tokens" if "max_tokens" in str(e) else "prompt")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        text = TextStream(tokenizer, options["stop"])
+
+        async def next_text():
+            """(new text, Finished or None) after the next event; cancels on a stop string."""
+            ev = await events.get()
+            if isinstance(ev, Finished):
+                return text.push([], final=True), ev
+            piece = text.push(ev)
+            if text.stopped:
+                handle.cancel()
+            return piece, None
+
+        if not options["stream"]:
+            try:
+                pieces, finished = [], None
+                while finished is None:
+                    piece, finished = await next_text()
+                    pieces.append(piece)
+                    if text.stopped and finished is None:
+                        finished = Finished("stop")  # the rest of the answer is not needed
+            finally:
+                handle.cancel()  # the client may have gone; a finished request ignores it
+            if finished.reason == "error":
+                return error(500, finished.message)
+            usage = usage_of(handle, len(prompt))
+            usage["completion_tokens"] = len(text.tokens)
+            usage["total_tokens"] = len(prompt) + len(text.tokens)
+            reason = _finish_reason(finished, text)
+            answer = "".join(pieces)
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": answer},
+                          "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
+            return JSONResponse({"id": rid, "object": "chat.completion" if chat else
+                                 "text_completion", "created": int(time.time()),
+                                 "model": model_name, "choices": [choice], "usage": usage})
+
+        def chunk(piece: str | None, reason: str | None, usage=None, first=False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else (
+                    {"content": piece} if piece else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason,
+                          "logprobs": None}
+            out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                   "created": int(time.time()), "model": model_name, "choices": [choice]}
+            if usage is not None:
+                out["usage"] = usage
+            return f"data: {json.dumps(out)}\n\n"
+
+        async def sse():
+            try:
+                if chat:
+                    yield chunk(None, None, first=True)
+                finished = None
+                while finished is None:
+                    piece, finished = await next_text()
+                    if text.stopped and finished is None:
+                        finished = Finished("stop")
+                    if finished is not None and finished.reason == "error":
+                        yield f"data: {json.dumps({'error': {'message': finished.message}})}\n\n"
+                        return
+                    if finished is None:
+                        if piece:
+                            yield chunk(piece, None)
+                        continue
+                    usage = usage_of(handle, len(prompt))
+                    usage["completion_tokens"] = len(text.tokens)
+                    usage["total_tokens"] = len(prompt) + len(text.tokens)
+                    yield chunk(piece, _finish_reason(finished, text), usage)
+                yield "data: [DONE]\n\n"
+            finally:
+                handle.cancel()  # a client that went away frees its slot; no-op when finished
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": created, "owned_by": "specjax"}]}
+
+    @app.get("/health")
+    async def health():
+        if scheduler.error is not None:
+            return error(503, f"the decoding loop stopped: {scheduler.error}")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(scheduler), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def prometheus_text(scheduler) -> str:
+    """The scheduler's counters and gauges in Prometheus' text format."""
+    s = scheduler.stats
+    rows = [
+        ("specjax_requests_total", "counter", "requests accepted into the queue", s["requests"]),
+        ("specjax_requests_finished_total", "counter", "requests answered in full", s["finished"]),
+        ("specjax_requests_cancelled_total", "counter", "requests cancelled (client gone, stop "
+                                                        "string)", s["cancelled"]),
+        ("specjax_queue_depth", "gauge", "requests waiting for a slot", scheduler.queue_depth()),
+        ("specjax_running_requests", "gauge", "requests holding a slot", scheduler.busy()),
+        ("specjax_generated_tokens_total", "counter", "tokens generated", s["new_tokens"]),
+        ("specjax_steps_total", "counter", "decoding steps (target passes) of the batch",
+         s["steps"]),
+        ("specjax_step_seconds_total", "counter", "seconds spent in decoding steps",
+         round(s["step_seconds"], 6)),
+        ("specjax_accepted_draft_tokens_total", "counter", "drafted tokens accepted (finished "
+                                                           "requests)", s["accepted_draft_tokens"]),
+        ("specjax_tokens_per_step", "gauge", "tokens generated per batch step so far",
+         round(s["new_tokens"] / s["steps"], 4) if s["steps"] else 0.0),
+    ]
+    out = []
+    for name, kind, help_text, value in rows:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(out) + "\n"
