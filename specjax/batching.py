@@ -4,6 +4,7 @@ carry, the shape buckets that keep compiles few, per-prompt seeds, and the reque
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import PagedKVCache
@@ -24,6 +25,26 @@ class DecodeState:
     steps: jax.Array  # int32[B]: target passes each sequence took part in
     keys: jax.Array  # PRNG key per sequence
     cache: PagedKVCache
+
+
+def append_until_stop(state: DecodeState, new, count, max_new_tokens, eos_ids):
+    """Append up to count[b] tokens of new[b] ([B, T]) to each unfinished sequence, stopping
+    after an EOS and at max_new_tokens (int or int32[B]): (tokens, lengths, done). The one place
+    both loops decide where a sequence ends."""
+    b, t = new.shape
+    active = ~state.done
+    d = jnp.arange(t)[None, :]
+    room = max_new_tokens - (state.lengths - state.prompt_lengths)
+    count = jnp.minimum(count, room)
+    is_eos = jnp.any(new[:, :, None] == eos_ids[None, None, :], axis=-1) & (d < count[:, None])
+    hit_eos = jnp.any(is_eos, axis=1)
+    count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)
+    count = jnp.where(active, count, 0)
+    cols = jnp.where(d < count[:, None], state.lengths[:, None] + d, state.tokens.shape[1])
+    tokens = state.tokens.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
+    lengths = state.lengths + count
+    done = state.done | (active & (hit_eos | (lengths - state.prompt_lengths >= max_new_tokens)))
+    return tokens, lengths, done
 
 
 def bucket(n: int, minimum: int = 16, steps_per_octave: int = 4) -> int:

@@ -24,7 +24,8 @@ from specjax.model import causal_mask, forward
 from specjax.sampling import SamplingConfig, sample_tokens
 from specjax.sharding import (pinning, put_batch, put_replicated, shard_params, shard_proposer_params,
                               sharded_init, to_host)
-from specjax.batching import DecodeState, GenerationError, bucket, seed_list  # noqa: F401  (API)
+from specjax.batching import (DecodeState, GenerationError, append_until_stop,  # noqa: F401  (API)
+                               bucket, seed_list)
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_loop
 
 
@@ -60,12 +61,6 @@ def _to_host(x):
     return np.asarray(x)
 
 
-def _is_eos(tokens, eos_ids):
-    if eos_ids.shape[0] == 0:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
-
-
 def decode_step(params, config: ModelConfig, sampling: SamplingConfig, s: DecodeState,
                 max_new_tokens, eos_ids) -> DecodeState:
     """One vanilla decoding step: every unfinished sequence appends one sampled token."""
@@ -78,10 +73,8 @@ def decode_step(params, config: ModelConfig, sampling: SamplingConfig, s: Decode
     keys = jax.vmap(jax.random.fold_in)(s.keys, s.lengths)
     nxt = sample_tokens(out.logits[:, 0], keys, sampling)
     active = ~s.done
-    tokens = s.tokens.at[rows, s.lengths].set(jnp.where(active, nxt, s.tokens[rows, s.lengths]))
-    lengths = s.lengths + active
-    new_count = lengths - s.prompt_lengths
-    done = s.done | (active & (_is_eos(nxt, eos_ids) | (new_count >= max_new_tokens)))
+    tokens, lengths, done = append_until_stop(s, nxt[:, None], jnp.ones((b,), jnp.int32),
+                                              max_new_tokens, eos_ids)
     cache = out.cache.replace(lengths=out.cache.lengths + active)
     return s.replace(tokens=tokens, lengths=lengths, done=done, steps=s.steps + active,
                      cache=cache)

@@ -16,7 +16,7 @@ from flax import struct
 
 from specjax.attention import attention_mesh
 from specjax.accept import AcceptResult, accept, accept_draws
-from specjax.cache import PagedKVCache
+from specjax.batching import DecodeState, append_until_stop
 from specjax.commit import commit
 from specjax.config import ModelConfig
 from specjax.draft_tree import DraftTree
@@ -131,16 +131,9 @@ class StatelessProposer(ProposerBase):
 
 
 @struct.dataclass
-class SpecState:
-    """Loop carry of speculative decoding."""
+class SpecState(DecodeState):
+    """Loop carry of speculative decoding: the vanilla loop's, plus what drafting reads."""
 
-    tokens: jax.Array
-    lengths: jax.Array
-    prompt_lengths: jax.Array
-    done: jax.Array
-    steps: jax.Array  # int32[B]: target passes each sequence took part in
-    keys: jax.Array  # PRNG key per sequence
-    cache: PagedKVCache
     features: jax.Array  # float[B, D]: see SpecContext.hidden
     proposer_state: Any
     accepted_hist: jax.Array  # int32[B, T]: steps that accepted exactly k drafted tokens
@@ -176,7 +169,7 @@ def appended_tokens(tree: DraftTree, result: AcceptResult):
 def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
               sampling: SamplingConfig, state: SpecState, max_new_tokens, eos_ids) -> SpecState:
     """One speculative step for every unfinished sequence."""
-    b, s = state.tokens.shape
+    b = state.tokens.shape[0]
     active = ~state.done
     ctx = SpecContext(state.tokens, state.lengths, state.cache.block_tables, state.features)
     # The scopes name each phase's ops in profiles (benchmarks/profile_step.py).
@@ -202,20 +195,9 @@ def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
                        new_kv=new_kv)
 
     # Append up to n + 1 tokens, stopping after EOS and at max_new_tokens.
-    t = tree.size
     new = appended_tokens(tree, result)
-    d = jnp.arange(t)[None, :]
-    room = max_new_tokens - (state.lengths - state.prompt_lengths)
-    count = jnp.minimum(result.n_accepted + 1, room)
-    is_eos = jnp.any(new[:, :, None] == eos_ids[None, None, :], axis=-1) & (d < count[:, None])
-    first_eos = jnp.argmax(is_eos, axis=1)
-    hit_eos = jnp.any(is_eos, axis=1)
-    count = jnp.where(hit_eos, first_eos + 1, count)
-    count = jnp.where(active, count, 0)
-    cols = jnp.where(d < count[:, None], state.lengths[:, None] + d, s)  # s: dropped
-    tokens = state.tokens.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
-    lengths = state.lengths + count
-    done = state.done | (active & (hit_eos | (lengths - state.prompt_lengths >= max_new_tokens)))
+    tokens, lengths, done = append_until_stop(state, new, result.n_accepted + 1, max_new_tokens,
+                                              eos_ids)
 
     # The deepest accepted node predicted the new pending token: its features drive the next draft.
     best = jnp.take_along_axis(result.path, result.n_accepted[:, None], axis=1)[:, 0]
