@@ -2,7 +2,9 @@
 loop admits them into free slots, hands new tokens to their streams and frees finished or
 cancelled ones.
 
-One thread owns the engine and runs a fixed batch of `max_batch` slots. Each round it admits
+One thread owns the engine and runs a batch of slots, as many as a power of two (up to
+`max_batch`) above the requests running and waiting: a step costs what its batch's rows cost,
+so one request alone decodes as fast as with `Engine.generate`. Each round it admits
 queued requests into free slots (their prompts prefilled as one group, the proposer's state
 initialised for those rows alone and merged into the batch's), then runs up to `sync_steps`
 decoding steps in one jitted loop (fewer when a sequence finishes, so its slot frees at once),
@@ -149,9 +151,11 @@ class Scheduler:
         self._stopping = False
         self._drain = True
         self._thread: threading.Thread | None = None
-        self.owner: list[Handle | None] = [None] * max_batch
-        self.pages: list[list[int]] = [[] for _ in range(max_batch)]
-        self.emitted = [0] * max_batch  # tokens of each slot handed out (prompt included)
+        # per slot (row of the batch): its request, its pages, its tokens handed out (prompt
+        # included); the batch starts with one slot and grows and shrinks by powers of two
+        self.owner: list[Handle | None] = [None]
+        self.pages: list[list[int]] = [[]]
+        self.emitted = [0]
         self.sampling: SamplingConfig | None = None  # the running batch's settings
         self.stats = dict(requests=0, finished=0, cancelled=0, errors=0, new_tokens=0, steps=0,
                           step_seconds=0.0, rounds=0, accepted_draft_tokens=0)
@@ -248,7 +252,7 @@ class Scheduler:
 
     def _give_back(self, state) -> None:
         engine = self.engine
-        for s in range(self.max_batch):
+        for s in range(len(self.owner)):
             if self.owner[s] is not None:
                 self._release(s)
         engine.k_pages, engine.v_pages = state.cache.k_pages, state.cache.v_pages
@@ -257,7 +261,7 @@ class Scheduler:
 
     def _empty_state(self):
         """Every slot free (done, its table on the sink page)."""
-        engine, b = self.engine, self.max_batch
+        engine, b = self.engine, len(self.owner)
         sink = engine.allocator.num_pages
         cache = PagedKVCache(engine.k_pages, engine.v_pages, jnp.full((b, 1), sink, jnp.int32),
                              jnp.zeros((b,), jnp.int32))
@@ -315,7 +319,7 @@ class Scheduler:
         reuse = self.proposer is None or not self.proposer.needs_prompt_features
         taken = []
         with self._cv:
-            for s in range(self.max_batch):
+            for s in range(len(self.owner)):
                 if self.owner[s] is not None or not self._queue or len(taken) == self.group:
                     continue
                 h = self._queue[0]
@@ -333,7 +337,36 @@ class Scheduler:
                 taken.append((s, h, pages, cached))
         return taken
 
+    def _rows_wanted(self) -> int:
+        """The batch size for the running requests and those that could join now."""
+        want = min(self.busy() + len(self._queue), self.max_batch)
+        rows = 1
+        while rows < want:
+            rows *= 2
+        return min(rows, self.max_batch)
+
+    def _fit(self, state):
+        """The state with as many rows as `_rows_wanted`: running slots kept (renumbered in
+        order), new rows free. Grows at once; shrinks when at most half the rows are needed."""
+        rows, want = len(self.owner), self._rows_wanted()
+        if want == rows or (rows // 2 < want < rows):
+            return state
+        keep = [s for s in range(rows) if self.owner[s] is not None][:want]
+        idx = np.asarray(keep + [0] * (want - len(keep)), np.int32)
+        shared = {id(x) for x in (state.cache.k_pages + state.cache.v_pages)}
+        if self.proposer is not None:
+            shared |= {id(x) for x in jax.tree_util.tree_leaves(
+                self.proposer.pools_of(state.proposer_state))}
+        take = jnp.asarray(idx)
+        state = jax.tree_util.tree_map(
+            lambda x: x if id(x) in shared else jnp.take(x, take, axis=0), state)
+        self.owner = [self.owner[s] for s in keep] + [None] * (want - len(keep))
+        self.pages = [self.pages[s] for s in keep] + [[] for _ in range(want - len(keep))]
+        self.emitted = [self.emitted[s] for s in keep] + [0] * (want - len(keep))
+        return self._free_slots_on_device(state, list(range(len(keep), want)))
+
     def _admit(self, state):
+        state = self._fit(state)
         taken = self._take()
         if not taken and not self.busy():
             return state
@@ -398,7 +431,7 @@ class Scheduler:
                              accepted_hist=state.accepted_hist.at[slots].set(0))
 
     def _advance(self, state):
-        limits = np.zeros((self.max_batch,), np.int32)
+        limits = np.zeros((len(self.owner),), np.int32)
         for s, h in enumerate(self.owner):
             if h is not None:
                 limits[s] = h.max_new_tokens
