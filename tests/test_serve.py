@@ -27,7 +27,7 @@ from specjax.loading import load_model  # noqa: E402
 from specjax.methods import make_proposer  # noqa: E402
 from specjax.random_heads import random_head_checkpoint  # noqa: E402
 from specjax.serving.scheduler import Scheduler  # noqa: E402
-from specjax.serving.server import TextStream, create_app  # noqa: E402
+from specjax.serving.server import TextStream, create_app, running_in_thread  # noqa: E402
 
 PROMPTS = ["Hello! How are you", "def add(a, b):", "1 + 1 = 2, 2 + 2", "The quick brown fox",
            "Hello! How are you today?", "3 * 3 = 9, and", "thank you, I am", "def fib(n):"]
@@ -36,25 +36,13 @@ PROMPTS = ["Hello! How are you", "def add(a, b):", "1 + 1 = 2, 2 + 2", "The quic
 @contextlib.contextmanager
 def serving(model, method="vanilla", heads=None, **scheduler_options):
     """A server on a free local port in this process; yields (base url, scheduler)."""
-    import uvicorn
-
     options = {} if heads is None else {"heads": str(heads)}
     proposer, pparams = make_proposer(method, model, **options)
     engine = Engine(model.params, model.config, num_pages=scheduler_options.pop("num_pages", 128),
                     page_size=16)
     sched = Scheduler(engine, proposer, pparams, **scheduler_options)
-    app = create_app(sched, model.tokenizer, "tiny")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", sched
-    finally:
-        server.should_exit = True
-        thread.join(60)
+    with running_in_thread(create_app(sched, model.tokenizer, "tiny")) as url:
+        yield url, sched
 
 
 @pytest.fixture(scope="module")

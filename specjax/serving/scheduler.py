@@ -38,6 +38,12 @@ from specjax.sampling import SamplingConfig
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_step
 
 
+def coarse(n: int) -> int:
+    """Shapes round up to powers of two (at least 16): a server meets prompts of every length,
+    and each new shape compiles while requests wait."""
+    return bucket(max(n, 1), steps_per_octave=1)
+
+
 class QueueFull(RuntimeError):
     """The scheduler's queue holds `max_queue` requests already."""
 
@@ -373,7 +379,7 @@ class Scheduler:
         engine = self.engine
         reach = max(len(h.prompt) + h.max_new_tokens + self.scratch
                     for h in self.owner if h is not None)
-        pps = -(-bucket(reach) // engine.page_size)
+        pps = -(-coarse(reach) // engine.page_size)
         state = _resize(state, pps, pps * engine.page_size + 1)
         if not taken:
             return state
@@ -389,7 +395,7 @@ class Scheduler:
         cached = [c for _, _, _, c in taken] + [0] * (g - n)
         table = block_table_array([p for _, _, p, _ in taken] + [[]] * (g - n), pps, sink)
         chunks = [p[c:len(p) - 1] for p, c in zip(prompts, cached)]
-        chunk = np.zeros((g, bucket(max(max(map(len, chunks)), 1))), np.int32)
+        chunk = np.zeros((g, coarse(max(map(len, chunks)))), np.int32)
         for r, c in enumerate(chunks):
             chunk[r, :len(c)] = c
         layers = () if self.proposer is None else tuple(self.proposer.feature_layers)
@@ -419,7 +425,7 @@ class Scheduler:
         if self.proposer is None:
             return state.replace(**new)
         p = self.proposer
-        prompt_chunk = np.zeros((g, bucket(max(int(plen.max()) - 1, 1))), np.int32)
+        prompt_chunk = np.zeros((g, coarse(int(plen.max()) - 1)), np.int32)
         for r, q in enumerate(prompts):
             prompt_chunk[r, :len(q) - 1] = q[:-1]
         ctx = SpecContext(jnp.asarray(rows), jnp.asarray(plen), jnp.asarray(table), last,

@@ -320,3 +320,26 @@ def prometheus_text(scheduler) -> str:
     for name, kind, help_text, value in rows:
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return "\n".join(out) + "\n"
+
+
+@contextlib.contextmanager
+def running_in_thread(app, host: str = "127.0.0.1", port: int = 0):
+    """Serve `app` with uvicorn on a thread of this process (tests, benchmarks); yields its base
+    URL (port 0: a free port), and stops it on exit."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(60)

@@ -1,0 +1,172 @@
+"""`specjax serve` under load: dev prompts at fixed concurrency, methods side by side.
+
+For each method the script starts a server in this process (the scheduler and the HTTP API of
+`specjax serve`, on a free local port), warms it up, then sends `--requests` streamed chat
+requests per concurrency level from that many client threads (greedy, up to --max-tokens new
+tokens), like genai-perf's fixed-concurrency runs; each level runs its prompts twice and times
+the second pass (the first compiles the shapes they meet). Per level: time to first token, inter-token
+latency (per request: (last - first token time) / (tokens - 1)), output tokens per second
+(all answers' tokens over the level's wall time) and mean accepted tokens per target pass
+(from the responses' `usage`). Every answer is checked against the first method's (greedy:
+the same text).
+
+    python benchmarks/bench_serve.py --prompts ../shared/data/dev_prompts.jsonl \
+        --methods vanilla,pld,eagle2 --concurrency 1,4,16 --out benchmarks/results/serve_intel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from common import machine, read_prompts
+
+
+def run_level(url, prompts, concurrency, max_tokens):
+    """Stream every prompt through the server, `concurrency` at a time: per-request records."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    todo = list(enumerate(prompts))
+    lock = threading.Lock()
+    records = {}
+
+    def worker():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, text = todo.pop(0)
+            t0 = time.perf_counter()
+            stamps, pieces, usage = [], [], None
+            for chunk in client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": text}], temperature=0,
+                    max_tokens=max_tokens, stream=True):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    stamps.append(time.perf_counter())
+                    pieces.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            n = usage.completion_tokens
+            records[i] = {"text": "".join(pieces), "tokens": n, "steps": usage.model_extra["steps"],
+                          "ttft": stamps[0] - t0 if stamps else None,
+                          "itl": (stamps[-1] - stamps[0]) / (n - 1) if len(stamps) > 1 and n > 1
+                          else None}
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    return [records[i] for i in range(len(prompts))], wall
+
+
+def summarize(records, wall):
+    ttft = [r["ttft"] for r in records if r["ttft"] is not None]
+    itl = [r["itl"] for r in records if r["itl"] is not None]
+    tokens = sum(r["tokens"] for r in records)
+    return {"requests": len(records), "output_tokens": tokens, "seconds": round(wall, 2),
+            "output_tokens_per_s": round(tokens / wall, 2),
+            "ttft_ms_mean": round(1000 * statistics.mean(ttft), 1),
+            "ttft_ms_p50": round(1000 * statistics.median(ttft), 1),
+            "itl_ms_mean": round(1000 * statistics.mean(itl), 2),
+            "tokens_per_step": round(tokens / sum(r["steps"] for r in records), 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
+    ap.add_argument("--methods", default="vanilla,pld,eagle2",
+                    help="comma-separated METHOD[:key=value...] (make_proposer options)")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the "
+                                                             "level's concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--out", default="benchmarks/results/serve")
+    args = ap.parse_args()
+
+    from tqdm import tqdm
+
+    from specjax import Engine, load_model
+    from specjax.bench import MethodSpec
+    from specjax.compile_cache import enable_compile_cache
+    from specjax.methods import make_proposer
+    from specjax.serving.scheduler import Scheduler
+    from specjax.serving.server import create_app, running_in_thread
+
+    enable_compile_cache()
+    model = load_model(args.model)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    n = max(args.requests, max(levels))
+    prompts = read_prompts(Path(args.prompts), n)
+    pages = args.max_batch * -(-(1024 + args.max_tokens + 64) // 16) + 8
+    rows, reference = [], None
+    for text in tqdm(args.methods.split(","), desc="methods"):
+        spec = MethodSpec.parse(text)
+        proposer, pparams = make_proposer(spec.method, model, **dict(spec.options))
+        engine = Engine(model.params, model.config, num_pages=pages, page_size=16)
+        sched = Scheduler(engine, proposer, pparams, max_batch=args.max_batch)
+        with running_in_thread(create_app(sched, model.tokenizer, "m")) as url:
+            for c in tqdm(levels, desc=spec.label, leave=False):
+                run_level(url, prompts, c, args.max_tokens)  # compiles what the level meets
+                engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
+                records, wall = run_level(url, prompts, c, args.max_tokens)
+                texts = [r["text"] for r in records]
+                if reference is None:
+                    reference = texts
+                row = {"method": spec.label, "concurrency": c, **summarize(records, wall),
+                       "same_as_first_method": sum(a == b for a, b in zip(texts, reference))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["method"] == rows[0]["method"]}
+    for r in rows:
+        r["throughput_vs_first"] = round(r["output_tokens_per_s"] / base[r["concurrency"]], 3)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": machine(), "model": args.model, "requests_per_level": n,
+            "max_tokens": args.max_tokens, "max_batch": args.max_batch,
+            "date": time.strftime("%Y-%m-%d")}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    head = ("| method | concurrency | output tok/s | vs first | TTFT mean / p50 ms | ITL ms | "
+            "tokens per step | same text |\n|---|---|---|---|---|---|---|---|\n")
+    body = "".join(f"| {r['method']} | {r['concurrency']} | {r['output_tokens_per_s']} | "
+                   f"{r['throughput_vs_first']:.2f}x | {r['ttft_ms_mean']} / {r['ttft_ms_p50']} | "
+                   f"{r['itl_ms_mean']} | {r['tokens_per_step']} | "
+                   f"{r['same_as_first_method']}/{r['requests']} |\n" for r in rows)
+    out.with_suffix(".md").write_text(f"{meta}\n\n{head}{body}")
+    plot(rows, out.with_suffix(".png"), meta)
+    print(head + body)
+
+
+def plot(rows, path, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        xs = [r["concurrency"] for r in mine]
+        axes[0].plot(xs, [r["output_tokens_per_s"] for r in mine], marker="o", label=method)
+        axes[1].plot(xs, [r["itl_ms_mean"] for r in mine], marker="o", label=method)
+    for ax, title in zip(axes, ("output tokens/s", "inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"specjax serve, {meta['model']}, {meta['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
