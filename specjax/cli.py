@@ -363,6 +363,9 @@ def _add_serve(sub):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--served-model-name", default=None, help="the model's name in the API "
                                                              "(default: --model)")
+    p.add_argument("--fixed-speculation", action="store_true",
+                   help="verify the method's whole trees every step (default: as many nodes as "
+                        "pay for the batch running, measured while serving)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     _add_method_args(p)
 
@@ -393,7 +396,8 @@ def cmd_serve(args) -> int:
     pages = args.cache_pages or args.max_batch * -(-context // args.page_size) + 8
     engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size)
     scheduler = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
-                          max_queue=args.max_queue, sync_steps=args.sync_steps)
+                          max_queue=args.max_queue, sync_steps=args.sync_steps,
+                          budget=not args.fixed_speculation)
     app = create_app(scheduler, model.tokenizer, args.served_model_name or args.model)
     print(f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)

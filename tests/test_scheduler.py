@@ -72,7 +72,8 @@ def test_staggered_requests_get_the_answer_they_get_alone(target, kind, sampling
                            proposer_params=pparams) for i, (p, n) in enumerate(zip(prompts, limits))]
     want = [o.token_ids[0] for o in outs]
     engine = Engine(target, CFG, num_pages=64, page_size=8)
-    sched = Scheduler(engine, proposer, pparams, max_batch=3, sync_steps=2, admit_group=2).start()
+    sched = Scheduler(engine, proposer, pparams, max_batch=3, sync_steps=2, admit_group=2,
+                      budget=False).start()
     handles = []
     for i, (p, n) in enumerate(zip(prompts, limits)):
         handles.append(sched.submit(p, n, sampling=sampling, seed=11 + i))
@@ -104,7 +105,7 @@ def test_a_broken_merge_is_caught(target, monkeypatch):
             for p in prompts]
     monkeypatch.setattr(sched_mod, "merge_rows", _keep_old_rows)
     engine = Engine(target, CFG, num_pages=64, page_size=8)
-    sched = Scheduler(engine, proposer, pparams, max_batch=2, admit_group=1).start()
+    sched = Scheduler(engine, proposer, pparams, max_batch=2, admit_group=1, budget=False).start()
     handles = [sched.submit(p, 12) for p in prompts]
     for h in handles:
         h.result(timeout=300)
@@ -170,3 +171,41 @@ def test_cache_exhaustion_makes_requests_wait(target):
         t.join()
     sched.stop()
     assert [results[i] for i in range(4)] == want
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "lookahead"])
+def test_the_speculation_budget_keeps_answers_and_cuts_trees(target, kind):
+    """With the budget on, steps verify a prefix of each tree (down to plain decoding): answers
+    stay each request's alone, and every width gets tried."""
+    proposer, pparams = _proposer(kind, target)
+    prompts = _prompts(6, seed=3)
+    alone = Engine(target, CFG, num_pages=64, page_size=8)
+    want = [alone.generate([p], 16, proposer=proposer, proposer_params=pparams).token_ids[0]
+            for p in prompts]
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    sched = Scheduler(engine, proposer, pparams, max_batch=4, sync_steps=1).start()
+    got = [h.result(timeout=300) for h in [sched.submit(p, 16) for p in prompts]]
+    sched.stop()
+    assert got == want
+    tried = {w for (_, w) in sched.budget.cost}
+    assert tried == set(sched.budget.widths) and 1 in tried and proposer.tree_size in tried
+
+
+def test_the_budget_picks_the_fastest_width_and_probes_the_others():
+    from specjax.serving.budget import SpeculationBudget
+
+    b = SpeculationBudget((1, 4, 9), probe_every=4)
+    measured = {9: (0.9, 2.5), 4: (0.4, 2.0), 1: (0.25, 1.0)}  # seconds per step, tokens
+    tried = []
+    for _ in range(3):  # each width measured once first, the whole tree first
+        w = b.choose(8)
+        tried.append(w)
+        b.record(8, w, 10, 10 * measured[w][0], measured[w][1])
+    assert tried == [9, 4, 1]
+    # tokens per second: 9 -> 2.78, 4 -> 5.0, 1 -> 4.0
+    picks = [b.choose(8) for _ in range(8)]
+    assert picks.count(4) == 6 and set(picks) - {4}  # every 4th round probes another width
+    b.record(1, 9, 10, 10 * 0.1, 2.5)  # a batch of one row: the whole tree is cheap there
+    b.record(1, 4, 10, 10 * 0.09, 2.0)
+    b.record(1, 1, 10, 10 * 0.08, 1.0)
+    assert b.choose(1) == 9

@@ -35,6 +35,7 @@ from specjax.cache import CacheFullError, PagedKVCache, block_table_array
 from specjax.continuous import _resize
 from specjax.generate import decode_step, prefill
 from specjax.sampling import SamplingConfig
+from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_step
 
 
@@ -139,13 +140,20 @@ class Scheduler:
 
     def __init__(self, engine, proposer=None, proposer_params=None, *, max_batch: int = 8,
                  max_queue: int = 256, sync_steps: int = 4, admit_group: int = 4,
-                 eos_token_ids=None):
+                 eos_token_ids=None, budget: bool = True):
+        """budget: choose each round how many tree nodes a step verifies, from measured cost
+        and yield (`serving.budget`); False verifies the proposer's whole trees."""
         if engine.mesh is not None:
             raise ValueError("the scheduler runs on one device (no mesh) for now")
         if max_batch < 1 or sync_steps < 1 or admit_group < 1:
             raise ValueError("max_batch, sync_steps and admit_group must be >= 1")
         self.engine, self.proposer = engine, proposer
-        self.proposer_params = proposer_params
+        self.proposer_params, self.budget = proposer_params, None
+        if proposer is not None and budget and len(budget_widths(proposer)) > 1:
+            self.proposer = BudgetedProposer(proposer, budget_widths(proposer))
+            self.proposer_params = {"base": proposer_params,
+                                    "budget": jnp.int32(proposer.tree_size)}
+            self.budget = SpeculationBudget(budget_widths(proposer))
         self.max_batch, self.max_queue, self.sync_steps = max_batch, max_queue, sync_steps
         self.group = min(admit_group, max_batch)
         eos = engine.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
@@ -441,16 +449,27 @@ class Scheduler:
         for s, h in enumerate(self.owner):
             if h is not None:
                 limits[s] = h.max_new_tokens
+        params, width = self.proposer_params, None
+        if self.proposer is not None:
+            width = self.proposer.tree_size
+        if self.budget is not None:
+            width = self.budget.choose(len(self.owner))
+            params = {**params, "budget": jnp.int32(width)}
         t0 = time.perf_counter()
-        steps_before = np.asarray(state.steps)
-        state = advance(self.engine.params, self.engine.config, self.proposer,
-                        self.proposer_params, self.sampling, state, jnp.asarray(limits),
+        steps_before, lengths_before = np.asarray(state.steps), np.asarray(state.lengths)
+        state = advance(self.engine.params, self.engine.config, self.proposer, params,
+                        self.sampling, state, jnp.asarray(limits),
                         jnp.asarray(self.eos, jnp.int32).reshape(-1), self.sync_steps)
         tokens, lengths, done, steps = (np.asarray(x) for x in (state.tokens, state.lengths,
                                                                 state.done, state.steps))
-        self.stats["step_seconds"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        ran = steps - steps_before
+        self.stats["step_seconds"] += seconds
         self.stats["rounds"] += 1
-        self.stats["steps"] += int((steps - steps_before).max(initial=0))
+        self.stats["steps"] += int(ran.max(initial=0))
+        if self.budget is not None and ran.sum():
+            self.budget.record(len(self.owner), width, int(ran.max()), seconds,
+                               float((lengths - lengths_before).sum() / ran.sum()))
         hist = None if self.proposer is None else np.asarray(state.accepted_hist)
         finished = []
         for s, h in enumerate(self.owner):
@@ -461,7 +480,7 @@ class Scheduler:
             h.steps = int(steps[s])
             if hist is not None:
                 h.accepted_draft_tokens = int((hist[s] * np.arange(hist.shape[1])).sum())
-                h.draft_tokens = h.steps * (self.proposer.tree_size - 1)
+                h.draft_tokens += int(ran[s]) * (width - 1)
             if new:
                 h.tokens.extend(new)
                 self.stats["new_tokens"] += len(new)

@@ -1,0 +1,142 @@
+"""Load-aware speculation: how many draft-tree nodes a step verifies, chosen per round from the
+measured cost of a step and the measured tokens it yields.
+
+A verify pass over T nodes costs about one node's on a GPU at batch 1, but on a busy batch, or
+on a CPU, rows cost compute: at batch 16 a 9-node tree verifies 144 rows where plain decoding
+verifies 16. `BudgetedProposer` cuts the drafter's tree each step to its first `budget` nodes
+(a traced parameter, so changing it compiles nothing; 1 is plain decoding through the same
+step). Nodes come after their parents, so a prefix of a tree is a tree, and acceptance only
+follows valid nodes: the cut keeps every rule lossless. `SpeculationBudget` picks the budget
+that maximises measured tokens per second for the batch size running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from specjax.spec_decode import ProposerBase
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetedProposer(ProposerBase):
+    """`base` with its trees cut to their first `params["budget"]` nodes; params are
+    {"base": the base's params, "budget": int32}. `widths`: the budgets a server may choose,
+    each verified at exactly that width."""
+
+    base: Any
+    widths: tuple
+
+    # every part of the Proposer protocol is the base's, but the widths verify_pruned may take
+    @property
+    def tree_size(self):
+        return self.base.tree_size
+
+    @property
+    def is_chain(self):
+        return self.base.is_chain
+
+    @property
+    def rule(self):
+        return self.base.rule
+
+    @property
+    def needs_prompt_features(self):
+        return self.base.needs_prompt_features
+
+    @property
+    def feature_layers(self):
+        return self.base.feature_layers
+
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def variant(self):
+        return self.base.variant
+
+    @property
+    def likely_widths(self):
+        return tuple(sorted(set(self.base.likely_widths) | set(self.widths)))
+
+    @property
+    def rule_options(self):
+        return self.base.rule_options
+
+    @property
+    def draft_scratch(self):
+        return self.base.draft_scratch
+
+    @property
+    def max_path_len(self):
+        return self.base.max_path_len
+
+    @property
+    def argmax_nodes(self):
+        return self.base.argmax_nodes
+
+    def make_pools(self, num_pages, page_size, dtype):
+        return self.base.make_pools(num_pages, page_size, dtype)
+
+    def init(self, params, pools, ctx, prompt_chunk, prompt_len):
+        return self.base.init(params["base"], pools, ctx, prompt_chunk, prompt_len)
+
+    def propose(self, params, state, ctx, keys, sampling):
+        tree, state = self.base.propose(params["base"], state, ctx, keys, sampling)
+        keep = jnp.arange(tree.size)[None, :] < params["budget"]
+        return tree.replace(valid=tree.valid & keep), state
+
+    def update(self, params, state, ctx, result, active):
+        return self.base.update(params["base"], state, ctx, result, active)
+
+    def pools_of(self, state):
+        return self.base.pools_of(state)
+
+
+def budget_widths(proposer) -> tuple[int, ...]:
+    """The budgets worth choosing between: plain decoding, the drafter's own likely widths, and
+    its whole tree."""
+    t = proposer.tree_size
+    return tuple(sorted({1, t} | {w for w in proposer.likely_widths if 1 < w < t}))
+
+
+class SpeculationBudget:
+    """Chooses a step's budget for a batch of `rows`: the width of the highest measured tokens
+    per second (tokens per running request per step over seconds per step, both running
+    averages), trying each width first and every `probe_every`-th round another one, so the
+    figures follow the load and the text."""
+
+    def __init__(self, widths, probe_every: int = 16, decay: float = 0.8):
+        self.widths = tuple(widths)
+        self.probe_every, self.decay = probe_every, decay
+        self.cost: dict[tuple[int, int], float] = {}  # (rows, width) -> seconds per step
+        self.gain: dict[int, float] = {1: 1.0}  # width -> new tokens per request per step
+        self.rounds: dict[int, int] = {}
+
+    def choose(self, rows: int) -> int:
+        n = self.rounds[rows] = self.rounds.get(rows, 0) + 1
+        for w in reversed(self.widths):
+            if (rows, w) not in self.cost or w not in self.gain:
+                return w  # not measured yet: try it (the whole tree first)
+        rate = {w: self.gain[w] / self.cost[(rows, w)] for w in self.widths}
+        best = max(rate, key=rate.get)
+        if n % self.probe_every == 0 and len(self.widths) > 1:
+            others = [w for w in self.widths if w != best]
+            return others[(n // self.probe_every) % len(others)]
+        return best
+
+    def record(self, rows: int, width: int, steps: int, seconds: float, tokens_per_request: float):
+        """One round's measurement: `steps` steps in `seconds`, each running request gaining
+        `tokens_per_request` tokens per step on average."""
+        if steps <= 0:
+            return
+        self._mix(self.cost, (rows, width), seconds / steps)
+        if width > 1:
+            self._mix(self.gain, width, tokens_per_request)
+
+    def _mix(self, table, key, value):
+        table[key] = value if key not in table else self.decay * table[key] + \
+            (1 - self.decay) * value
