@@ -83,8 +83,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
-    ap.add_argument("--methods", default="vanilla,pld,eagle2",
-                    help="comma-separated METHOD[:key=value...] (make_proposer options)")
+    ap.add_argument("--methods", default="vanilla,pld,eagle2,eagle2@fixed",
+                    help="comma-separated METHOD[:key=value...] (make_proposer options); "
+                         "@fixed: verify whole trees (specjax serve --fixed-speculation)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the "
                                                              "level's concurrency)")
@@ -110,19 +111,21 @@ def main():
     pages = args.max_batch * -(-(1024 + args.max_tokens + 64) // 16) + 8
     rows, reference = [], None
     for text in tqdm(args.methods.split(","), desc="methods"):
-        spec = MethodSpec.parse(text)
+        name, _, fixed = text.partition("@")
+        spec = MethodSpec.parse(name)
         proposer, pparams = make_proposer(spec.method, model, **dict(spec.options))
         engine = Engine(model.params, model.config, num_pages=pages, page_size=16)
-        sched = Scheduler(engine, proposer, pparams, max_batch=args.max_batch)
+        sched = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
+                          budget=fixed != "fixed")
         with running_in_thread(create_app(sched, model.tokenizer, "m")) as url:
-            for c in tqdm(levels, desc=spec.label, leave=False):
+            for c in tqdm(levels, desc=text, leave=False):
                 run_level(url, prompts, c, args.max_tokens)  # compiles what the level meets
                 engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
                 records, wall = run_level(url, prompts, c, args.max_tokens)
                 texts = [r["text"] for r in records]
                 if reference is None:
                     reference = texts
-                row = {"method": spec.label, "concurrency": c, **summarize(records, wall),
+                row = {"method": text, "concurrency": c, **summarize(records, wall),
                        "same_as_first_method": sum(a == b for a, b in zip(texts, reference))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
