@@ -84,6 +84,9 @@ class ProposerBase:
     needs_prompt_features: bool = False
     # target layers whose concatenated outputs replace the final hidden state as features
     feature_layers: tuple = ()
+    # update() keeps the state right after a step whose propose() did not run (a tree of the
+    # root alone verified): a server may then skip drafting when it verifies nothing drafted
+    propose_may_be_skipped: bool = False
     # the draft network's decoder config (sharding splits its layers like the target's), and
     # the EAGLE variant ("eagle3" nets stay replicated)
     config = None
@@ -116,6 +119,8 @@ class ProposerBase:
 class StatelessProposer(ProposerBase):
     """The Proposer methods of a drafter that keeps no buffers and no state between steps
     (Prompt-Lookup, an oracle): subclasses write only `propose`."""
+
+    propose_may_be_skipped = True
 
     def make_pools(self, num_pages, page_size, dtype):
         return None

@@ -173,7 +173,7 @@ def test_cache_exhaustion_makes_requests_wait(target):
     assert [results[i] for i in range(4)] == want
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "lookahead"])
+@pytest.mark.parametrize("kind", ["eagle2", "pld", "lookahead"])
 def test_the_speculation_budget_keeps_answers_and_cuts_trees(target, kind):
     """With the budget on, steps verify a prefix of each tree (down to plain decoding): answers
     stay each request's alone, and every width gets tried."""

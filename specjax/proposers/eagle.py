@@ -67,6 +67,9 @@ class EagleState:
 class _EagleBase(ProposerBase):
     """State keeping shared by the EAGLE proposers; params: {"net", "embed", "lm_head"}."""
 
+    # update() rewrites the draft cache from the root's position whatever propose() wrote
+    propose_may_be_skipped = True
+
     config: ModelConfig  # the draft network's (hidden size and heads of the target, few layers)
     variant: str = "eagle"  # "eagle" (EAGLE-1/2 network) or "eagle3"
     feature_layers: tuple = ()  # target layers whose outputs EAGLE-3 fuses ((): final hidden)

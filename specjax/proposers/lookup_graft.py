@@ -137,6 +137,10 @@ class LookupGraftProposer(ProposerBase):
         count = jnp.sum(found.valid[:, 1:], axis=1).astype(jnp.int32)
         return graft_chain(tree, found.tokens[:, 1:], count, self.width), state
 
+    @property
+    def propose_may_be_skipped(self):
+        return self.base.propose_may_be_skipped
+
     def update(self, params, state, ctx, result, active):
         return self.base.update(params, state, ctx, result, active)
 

@@ -152,6 +152,8 @@ class MedusaProposer(ProposerBase):
         x = jnp.zeros((1, hidden_size), jnp.float32)
         return self.heads.init(key, x, base_lm_head)
 
+    propose_may_be_skipped = True  # the heads keep no state
+
     def make_pools(self, num_pages, page_size, dtype):
         return None
 

@@ -12,11 +12,14 @@ that maximises measured tokens per second for the batch size running.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
+from specjax.draft_tree import DraftTree
 from specjax.spec_decode import ProposerBase
 
 
@@ -85,9 +88,32 @@ class BudgetedProposer(ProposerBase):
         return self.base.init(params["base"], pools, ctx, prompt_chunk, prompt_len)
 
     def propose(self, params, state, ctx, keys, sampling):
-        tree, state = self.base.propose(params["base"], state, ctx, keys, sampling)
-        keep = jnp.arange(tree.size)[None, :] < params["budget"]
-        return tree.replace(valid=tree.valid & keep), state
+        """The base's tree cut to its first `budget` nodes; at budget 1 a drafter whose update
+        does not need it (`propose_may_be_skipped`) does not draft at all."""
+
+        def drafted(_):
+            tree, new_state = self.base.propose(params["base"], state, ctx, keys, sampling)
+            keep = jnp.arange(tree.size)[None, :] < params["budget"]
+            return tree.replace(valid=tree.valid & keep), new_state
+
+        if not self.base.propose_may_be_skipped:
+            return drafted(None)
+        shapes, _ = jax.eval_shape(drafted, None)
+
+        def root_alone(_):
+            b, t = shapes.tokens.shape
+            root = jnp.arange(t)[None, :] == 0
+            pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
+            tokens = jnp.where(root, pending[:, None], 0).astype(shapes.tokens.dtype)
+            tree = DraftTree(
+                tokens=tokens, parent=jnp.full((b, t), -1, shapes.parent.dtype),
+                depth=jnp.zeros((b, t), shapes.depth.dtype), valid=jnp.broadcast_to(root, (b, t)),
+                draft_logprobs=None if shapes.draft_logprobs is None else jnp.zeros(
+                    shapes.draft_logprobs.shape, shapes.draft_logprobs.dtype),
+                acceptable=None if shapes.acceptable is None else jnp.broadcast_to(root, (b, t)))
+            return tree, state
+
+        return jax.lax.cond(params["budget"] > 1, drafted, root_alone, None)
 
     def update(self, params, state, ctx, result, active):
         return self.base.update(params["base"], state, ctx, result, active)
@@ -105,14 +131,16 @@ def budget_widths(proposer) -> tuple[int, ...]:
 
 class SpeculationBudget:
     """Chooses a step's budget for a batch of `rows`: the width of the highest measured tokens
-    per second (tokens per running request per step over seconds per step, both running
-    averages), trying each width first and every `probe_every`-th round another one, so the
+    per second (tokens per running request per step, a running average, over seconds per step,
+    the least of the last 8 rounds), trying each width first and every `probe_every`-th round another one, so the
     figures follow the load and the text."""
 
     def __init__(self, widths, probe_every: int = 16, decay: float = 0.8):
         self.widths = tuple(widths)
         self.probe_every, self.decay = probe_every, decay
-        self.cost: dict[tuple[int, int], float] = {}  # (rows, width) -> seconds per step
+        # (rows, width) -> the last seconds-per-step figures; their least is the cost (a round
+        # that compiled a new shape, or shared the CPU, reads high)
+        self.cost: dict[tuple[int, int], collections.deque] = {}
         self.gain: dict[int, float] = {1: 1.0}  # width -> new tokens per request per step
         self.rounds: dict[int, int] = {}
 
@@ -121,7 +149,7 @@ class SpeculationBudget:
         for w in reversed(self.widths):
             if (rows, w) not in self.cost or w not in self.gain:
                 return w  # not measured yet: try it (the whole tree first)
-        rate = {w: self.gain[w] / self.cost[(rows, w)] for w in self.widths}
+        rate = {w: self.gain[w] / min(self.cost[(rows, w)]) for w in self.widths}
         best = max(rate, key=rate.get)
         if n % self.probe_every == 0 and len(self.widths) > 1:
             others = [w for w in self.widths if w != best]
@@ -133,10 +161,7 @@ class SpeculationBudget:
         `tokens_per_request` tokens per step on average."""
         if steps <= 0:
             return
-        self._mix(self.cost, (rows, width), seconds / steps)
+        self.cost.setdefault((rows, width), collections.deque(maxlen=8)).append(seconds / steps)
         if width > 1:
-            self._mix(self.gain, width, tokens_per_request)
-
-    def _mix(self, table, key, value):
-        table[key] = value if key not in table else self.decay * table[key] + \
-            (1 - self.decay) * value
+            old = self.gain.get(width, tokens_per_request)
+            self.gain[width] = self.decay * old + (1 - self.decay) * tokens_per_request
