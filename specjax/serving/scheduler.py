@@ -174,6 +174,9 @@ class Scheduler:
         self.stats = dict(requests=0, finished=0, cancelled=0, errors=0, new_tokens=0, steps=0,
                           step_seconds=0.0, rounds=0, accepted_draft_tokens=0)
         self.error: BaseException | None = None
+        # pages per sequence the tables hold: grows with the longest request seen and never
+        # shrinks, so a batch meets few shapes (each compiles while requests wait)
+        self.pages_per_seq = 1
 
     # ---- the client side (any thread) -------------------------------------------------
     def submit(self, prompt, max_new_tokens: int, *, sampling: SamplingConfig = SamplingConfig(),
@@ -387,7 +390,8 @@ class Scheduler:
         engine = self.engine
         reach = max(len(h.prompt) + h.max_new_tokens + self.scratch
                     for h in self.owner if h is not None)
-        pps = -(-coarse(reach) // engine.page_size)
+        self.pages_per_seq = max(self.pages_per_seq, -(-coarse(reach) // engine.page_size))
+        pps = self.pages_per_seq
         state = _resize(state, pps, pps * engine.page_size + 1)
         if not taken:
             return state
@@ -457,6 +461,7 @@ class Scheduler:
             params = {**params, "budget": jnp.int32(width)}
         t0 = time.perf_counter()
         steps_before, lengths_before = np.asarray(state.steps), np.asarray(state.lengths)
+        programs = advance._cache_size()
         state = advance(self.engine.params, self.engine.config, self.proposer, params,
                         self.sampling, state, jnp.asarray(limits),
                         jnp.asarray(self.eos, jnp.int32).reshape(-1), self.sync_steps)
@@ -467,7 +472,8 @@ class Scheduler:
         self.stats["step_seconds"] += seconds
         self.stats["rounds"] += 1
         self.stats["steps"] += int(ran.max(initial=0))
-        if self.budget is not None and ran.sum():
+        compiled = advance._cache_size() != programs  # the round's time is mostly compiling
+        if self.budget is not None and ran.sum() and not compiled:
             self.budget.record(len(self.owner), width, int(ran.max()), seconds,
                                float((lengths - lengths_before).sum() / ran.sum()))
         hist = None if self.proposer is None else np.asarray(state.accepted_hist)
