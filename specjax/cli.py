@@ -282,7 +282,7 @@ def _parallel_mesh(args):
 def cmd_generate(args) -> int:
     _validate_generate(args)
     texts = read_prompts(args)
-    method_config_of(args)  # options that do not fit the method fail before any loading
+    config = method_config_of(args)  # options that do not fit fail before any loading
     mesh = _parallel_mesh(args)
     from specjax.generate import Engine, bucket
     from specjax.loading import load_model
@@ -290,7 +290,7 @@ def cmd_generate(args) -> int:
     from specjax.spec_decode import scratch_slots
 
     model = load_model(args.model, mesh=mesh)
-    proposer, proposer_params = make_proposer(method_config_of(args), model)
+    proposer, proposer_params = make_proposer(config, model)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
     batches = [list(range(i, min(i + args.batch_size, len(texts))))
