@@ -19,6 +19,37 @@ def pytest_configure(config):
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(path))
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECONDS))
 
+
+def _memory_mappings() -> int:
+    """The number of this process's memory mappings (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+# Linux refuses a process more than vm.max_map_count (65530 by default) memory mappings.
+MAPPINGS_BUDGET = 20_000
+
+
+@pytest.fixture(autouse=True)
+def _drop_compiled_programs():
+    """JAX keeps every compiled program alive, and on XLA:CPU each one holds its machine code in
+    memory mappings of its own (hundreds for the real model's). Run whole, the suite's one
+    process reached Linux's limit of 65530 mappings and XLA crashed loading code (a segfault or
+    an abort, at ~80% of the suite). After a test that leaves more than MAPPINGS_BUDGET,
+    JAX's caches are dropped (the persistent compile cache reloads what later tests need)."""
+    yield
+    if _memory_mappings() > MAPPINGS_BUDGET:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
     " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

@@ -60,9 +60,15 @@ def _proposer(kind, target):
     return _eagle2(target)
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "pld", "eagle2", "lookahead"])
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20)],
-                         ids=["greedy", "sampled"])
+SAMPLED = SamplingConfig(temperature=0.8, top_k=20)
+
+
+# every method greedy; sampled, one stateless and one stateful drafter (the suite's time)
+@pytest.mark.parametrize("kind,sampling", [
+    ("vanilla", SamplingConfig()), ("pld", SamplingConfig()), ("eagle2", SamplingConfig()),
+    ("lookahead", SamplingConfig()), ("vanilla", SAMPLED), ("eagle2", SAMPLED)],
+    ids=["greedy-vanilla", "greedy-pld", "greedy-eagle2", "greedy-lookahead", "sampled-vanilla",
+         "sampled-eagle2"])
 def test_staggered_requests_get_the_answer_they_get_alone(target, kind, sampling):
     proposer, pparams = _proposer(kind, target)
     prompts = _prompts(7)
