@@ -366,6 +366,10 @@ def _add_serve(sub):
     p.add_argument("--fixed-speculation", action="store_true",
                    help="verify the method's whole trees every step (default: as many nodes as "
                         "pay for the batch running, measured while serving)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel: devices each layer is split over (divides KV heads)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data parallel: device groups the batch's rows are split over")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     _add_method_args(p)
 
@@ -390,11 +394,14 @@ def cmd_serve(args) -> int:
     from specjax.methods import make_proposer
     from specjax.serving.scheduler import Scheduler
 
-    model = load_model(args.model)
+    args.coordinator = args.num_processes = args.process_id = None  # one host
+    mesh = _parallel_mesh(args)
+    model = load_model(args.model, mesh=mesh)
     proposer, pparams = make_proposer(config, model)
     context = min(2048, model.config.max_position_embeddings)
     pages = args.cache_pages or args.max_batch * -(-context // args.page_size) + 8
-    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size)
+    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size,
+                    mesh=mesh)
     scheduler = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
                           max_queue=args.max_queue, sync_steps=args.sync_steps,
                           budget=not args.fixed_speculation)

@@ -77,6 +77,16 @@ SCRIPT = textwrap.dedent('''
     for tp, dp in [(2, 1), (4, 1), (2, 2)]:
         eng, res = run(make_mesh(tp, dp))
         out["meshes"][f"tp{tp}_dp{dp}"] = res
+        if (tp, dp) == (2, 2):  # the server's scheduler on the mesh (rows over "data" once 2+)
+            from specjax.serving.scheduler import Scheduler
+            served = {}
+            for name in ("vanilla", "eagle2"):
+                sched = Scheduler(eng, *METHODS[name], max_batch=4, admit_group=2,
+                                  eos_token_ids=()).start()
+                handles = [sched.submit(p, NEW) for p in PROMPTS]
+                served[name] = [h.result(timeout=300) for h in handles]
+                sched.stop()
+            out["served_tp2_dp2"] = served
         if (tp, dp) == (4, 1):  # per-device shard shapes of every weight and of the KV pools
             shards = {}
             for k, a in eng.params["layers"][0].items():
@@ -190,6 +200,13 @@ def test_greedy_outputs_match_one_device(runs, mesh):
     for name, r in res["meshes"][mesh].items():
         assert r["tokens"] == ref["vanilla"]["tokens"], (mesh, name)
         assert r["steps"] == ref[name]["steps"], (mesh, name)
+
+
+def test_the_server_scheduler_on_a_mesh_gives_the_one_device_answers(runs):
+    """`specjax serve --tp 2 --dp 2`'s scheduler: every answer is one-device vanilla's."""
+    res, _ = runs
+    for name, tokens in res["served_tp2_dp2"].items():
+        assert tokens == res["one_device"]["vanilla"]["tokens"], name
 
 
 def test_weights_and_pools_are_split(runs):

@@ -27,10 +27,12 @@ from specjax.spec_decode import ProposerBase
 class BudgetedProposer(ProposerBase):
     """`base` with its trees cut to their first `params["budget"]` nodes; params are
     {"base": the base's params, "budget": int32}. `widths`: the budgets a server may choose,
-    each verified at exactly that width."""
+    each verified at exactly that width. `drafting=False` (see `without_drafting`) verifies the
+    root alone."""
 
     base: Any
     widths: tuple
+    drafting: bool = True
 
     # every part of the Proposer protocol is the base's, but the widths verify_pruned may take
     @property
@@ -88,34 +90,42 @@ class BudgetedProposer(ProposerBase):
         return self.base.init(params["base"], pools, ctx, prompt_chunk, prompt_len)
 
     def propose(self, params, state, ctx, keys, sampling):
-        """The base's tree cut to its first `budget` nodes; at budget 1 a drafter whose update
-        does not need it (`propose_may_be_skipped`) does not draft at all."""
-
-        def drafted(_):
+        """The base's tree cut to its first `budget` nodes; with `drafting` off, the root alone
+        (the pending token: a plain decoding step) and no draft work at all."""
+        if self.drafting:
             tree, new_state = self.base.propose(params["base"], state, ctx, keys, sampling)
             keep = jnp.arange(tree.size)[None, :] < params["budget"]
             return tree.replace(valid=tree.valid & keep), new_state
+        shapes, _ = jax.eval_shape(
+            lambda: self.base.propose(params["base"], state, ctx, keys, sampling))
+        b, t = shapes.tokens.shape
+        root = jnp.arange(t)[None, :] == 0
+        pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
+        tree = DraftTree(
+            tokens=jnp.where(root, pending[:, None], 0).astype(shapes.tokens.dtype),
+            parent=jnp.full((b, t), -1, shapes.parent.dtype),
+            depth=jnp.zeros((b, t), shapes.depth.dtype), valid=jnp.broadcast_to(root, (b, t)),
+            draft_logprobs=None if shapes.draft_logprobs is None else jnp.zeros(
+                shapes.draft_logprobs.shape, shapes.draft_logprobs.dtype),
+            acceptable=None if shapes.acceptable is None else jnp.broadcast_to(root, (b, t)))
+        return tree, state
 
+    def without_drafting(self) -> "BudgetedProposer | None":
+        """The same proposer with drafting off (width 1 without the draft's cost: a program of
+        its own, since a `lax.cond` around drafting would copy the draft's KV pools every step
+        on XLA:CPU), or None when the base's update needs its propose."""
         if not self.base.propose_may_be_skipped:
-            return drafted(None)
-        shapes, _ = jax.eval_shape(drafted, None)
-
-        def root_alone(_):
-            b, t = shapes.tokens.shape
-            root = jnp.arange(t)[None, :] == 0
-            pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
-            tokens = jnp.where(root, pending[:, None], 0).astype(shapes.tokens.dtype)
-            tree = DraftTree(
-                tokens=tokens, parent=jnp.full((b, t), -1, shapes.parent.dtype),
-                depth=jnp.zeros((b, t), shapes.depth.dtype), valid=jnp.broadcast_to(root, (b, t)),
-                draft_logprobs=None if shapes.draft_logprobs is None else jnp.zeros(
-                    shapes.draft_logprobs.shape, shapes.draft_logprobs.dtype),
-                acceptable=None if shapes.acceptable is None else jnp.broadcast_to(root, (b, t)))
-            return tree, state
-
-        return jax.lax.cond(params["budget"] > 1, drafted, root_alone, None)
+            return None
+        return dataclasses.replace(self, drafting=False)
 
     def update(self, params, state, ctx, result, active):
+        """The base's update; with drafting off only the root is ever accepted, so the update
+        sees the path's first node alone (EAGLE's draft chain runs over one position, not the
+        tree's depth)."""
+        if not self.drafting:
+            result = result.replace(path=result.path[:, :1])
+            ctx = ctx.replace(path_hidden=None if ctx.path_hidden is None
+                              else ctx.path_hidden[:, :1])
         return self.base.update(params["base"], state, ctx, result, active)
 
     def pools_of(self, state):

@@ -30,12 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, bucket
 from specjax.cache import CacheFullError, PagedKVCache, block_table_array
 from specjax.continuous import _resize
 from specjax.generate import decode_step, prefill
 from specjax.sampling import SamplingConfig
 from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
+from specjax.sharding import pinning
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_step
 
 
@@ -108,12 +110,14 @@ class Handle:
         return self.tokens
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "max_steps"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "max_steps",
+                                             "mesh"), donate_argnames=("state",))
 def advance(params, config, proposer, proposer_params, sampling, state, limits, eos_ids,
-            max_steps: int):
+            max_steps: int, mesh=None):
     """Up to `max_steps` steps of every unfinished slot, stopping after a step in which a slot
-    finished. limits: int32[B], each slot's max_new_tokens."""
+    finished. limits: int32[B], each slot's max_new_tokens. With a `mesh` the state stays
+    pinned to its shardings, as in the engine's loops."""
+    pin = pinning(mesh, state.tokens.shape[0])
     done_before = jnp.sum(state.done)
 
     def go_on(carry):
@@ -123,11 +127,12 @@ def advance(params, config, proposer, proposer_params, sampling, state, limits, 
     def step(carry):
         i, st = carry
         if proposer is None:
-            return i + 1, decode_step(params, config, sampling, st, limits, eos_ids)
-        return i + 1, spec_step(params, config, proposer, proposer_params, sampling, st, limits,
-                                eos_ids)
+            return i + 1, pin(decode_step(params, config, sampling, st, limits, eos_ids))
+        return i + 1, pin(spec_step(params, config, proposer, proposer_params, sampling, st,
+                                    limits, eos_ids))
 
-    return jax.lax.while_loop(go_on, step, (jnp.int32(0), state))[1]
+    with attention_mesh(mesh):
+        return pin(jax.lax.while_loop(go_on, step, (jnp.int32(0), pin(state)))[1])
 
 
 class Scheduler:
@@ -143,17 +148,18 @@ class Scheduler:
                  eos_token_ids=None, budget: bool = True):
         """budget: choose each round how many tree nodes a step verifies, from measured cost
         and yield (`serving.budget`); False verifies the proposer's whole trees."""
-        if engine.mesh is not None:
-            raise ValueError("the scheduler runs on one device (no mesh) for now")
         if max_batch < 1 or sync_steps < 1 or admit_group < 1:
             raise ValueError("max_batch, sync_steps and admit_group must be >= 1")
-        self.engine, self.proposer = engine, proposer
-        self.proposer_params, self.budget = proposer_params, None
+        self.engine, self.proposer, self.mesh = engine, proposer, engine.mesh
+        proposer_params = engine._sharded(proposer, proposer_params)  # on the mesh, if any
+        self.proposer_params, self.budget, self._plain = proposer_params, None, None
+        self._twins: set = set()  # batch shapes whose two step programs are compiled
         if proposer is not None and budget and len(budget_widths(proposer)) > 1:
             self.proposer = BudgetedProposer(proposer, budget_widths(proposer))
             self.proposer_params = {"base": proposer_params,
                                     "budget": jnp.int32(proposer.tree_size)}
             self.budget = SpeculationBudget(budget_widths(proposer))
+            self._plain = self.proposer.without_drafting()  # width 1 without the draft's cost
         self.max_batch, self.max_queue, self.sync_steps = max_batch, max_queue, sync_steps
         self.group = min(admit_group, max_batch)
         eos = engine.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
@@ -295,7 +301,8 @@ class Scheduler:
         ctx = SpecContext(common["tokens"], common["lengths"], cache.block_tables, features,
                           prompt_hidden=jnp.zeros((b, 16, width), engine.dtype))
         pstate = init_proposer(p, self.proposer_params, engine._pools_for(p), ctx,
-                               jnp.zeros((b, 16), jnp.int32), jnp.zeros((b,), jnp.int32))
+                               jnp.zeros((b, 16), jnp.int32), jnp.zeros((b,), jnp.int32),
+                               mesh=self.mesh)
         return SpecState(**common, features=features, proposer_state=pstate,
                          accepted_hist=jnp.zeros((b, p.tree_size), jnp.int32))
 
@@ -415,7 +422,8 @@ class Scheduler:
         sub = PagedKVCache(c.k_pages, c.v_pages, jnp.asarray(table),  # prefill donates it
                            jnp.asarray(cached, jnp.int32))
         sub, last, hidden = prefill(engine.params, engine.config, sub, jnp.asarray(chunk),
-                                    jnp.asarray([len(x) for x in chunks], np.int32), layers)
+                                    jnp.asarray([len(x) for x in chunks], np.int32), layers,
+                                    mesh=self.mesh)
         for _, h, pages, _ in taken:
             engine.allocator.register_prefix(pages, h.prompt[:-1])
         plen = np.asarray([len(p) for p in prompts], np.int32)
@@ -443,28 +451,45 @@ class Scheduler:
         ctx = SpecContext(jnp.asarray(rows), jnp.asarray(plen), jnp.asarray(table), last,
                           prompt_hidden=hidden)
         fresh = init_proposer(p, self.proposer_params, p.pools_of(state.proposer_state), ctx,
-                              jnp.asarray(prompt_chunk), jnp.asarray(plen - 1))
+                              jnp.asarray(prompt_chunk), jnp.asarray(plen - 1), mesh=self.mesh)
         return state.replace(**new, features=state.features.at[slots].set(last[:n]),
                              proposer_state=merge_rows(p, state.proposer_state, fresh, slots),
                              accepted_hist=state.accepted_hist.at[slots].set(0))
+
+    def _compile_twin(self, args):
+        """On a batch shape first met, compile the other of the two step programs (drafting,
+        and drafting off at width 1) too, so that the budget's first switch between them does
+        not stall every running request while it compiles."""
+        if self._plain is None:
+            return
+        key = _twin_key(args)
+        if key in self._twins:
+            return
+        self._twins.add(key)
+        other = self.proposer if args[2] is self._plain else self._plain
+        advance.lower(*args[:2], other, *args[3:], mesh=self.mesh).compile()
 
     def _advance(self, state):
         limits = np.zeros((len(self.owner),), np.int32)
         for s, h in enumerate(self.owner):
             if h is not None:
                 limits[s] = h.max_new_tokens
-        params, width = self.proposer_params, None
-        if self.proposer is not None:
-            width = self.proposer.tree_size
+        params, width, proposer = self.proposer_params, None, self.proposer
+        if proposer is not None:
+            width = proposer.tree_size
         if self.budget is not None:
             width = self.budget.choose(len(self.owner))
             params = {**params, "budget": jnp.int32(width)}
+            if width == 1 and self._plain is not None:
+                proposer = self._plain
+        args = (self.engine.params, self.engine.config, proposer, params, self.sampling, state,
+                jnp.asarray(limits), jnp.asarray(self.eos, jnp.int32).reshape(-1),
+                self.sync_steps)
+        self._compile_twin(args)
         t0 = time.perf_counter()
         steps_before, lengths_before = np.asarray(state.steps), np.asarray(state.lengths)
         programs = advance._cache_size()
-        state = advance(self.engine.params, self.engine.config, self.proposer, params,
-                        self.sampling, state, jnp.asarray(limits),
-                        jnp.asarray(self.eos, jnp.int32).reshape(-1), self.sync_steps)
+        state = advance(*args, mesh=self.mesh)
         tokens, lengths, done, steps = (np.asarray(x) for x in (state.tokens, state.lengths,
                                                                 state.done, state.steps))
         seconds = time.perf_counter() - t0
@@ -503,6 +528,11 @@ class Scheduler:
         if not self.busy():
             self.sampling = None
         return self._free_slots_on_device(state, finished)
+
+
+def _twin_key(args):
+    _, _, _, _, sampling, state, _, eos, _ = args
+    return (state.tokens.shape, state.cache.block_tables.shape, sampling, eos.shape)
 
 
 def merge_rows(proposer, state, fresh, slots):
