@@ -15,8 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTIONS = ("environment", "kernel", "methods", "sampling", "decode", "oracle", "verify", "attention",
-            "peer")
+SECTIONS = ("environment", "kernel", "methods", "sampling", "decode", "peer", "oracle", "verify",
+            "attention", "tiles")
 
 
 def run(args, devices: int = 1, timeout: int = 900, script=None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -313,3 +314,29 @@ def test_tiles_fit_each_architectures_shared_memory(dtype_bytes):
             assert bq >= 16 and bk >= 16
     assert default_blocks(*shapes[0], smem_kib=227)[:2] == (16, 128)
     assert default_blocks(*shapes[2], smem_kib=227)[:2] == (128, 64)
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The `precision` of every dot_general in a jaxpr, nested jaxprs (pallas_call's body) too."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_precisions(sub)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float32_dots_ask_for_full_precision(dtype):
+    """On a GPU a float32 dot of default precision runs as TF32 (relative error ~5e-4): the first
+    H200 run found the reference doing that against the kernel's full-precision dots. Both must
+    ask for HIGHEST in float32 (and leave half precision alone)."""
+    args, _ = make_case(0, t=5, g=4, ps=16, kvh=2, dtype=dtype)
+    for fn in (tree_paged_attention_reference,
+               lambda *a: tree_paged_attention(*a, interpret=True)):
+        precisions = _dot_precisions(jax.make_jaxpr(fn)(*args).jaxpr)
+        assert len(precisions) >= 2
+        for p in precisions:
+            highest = p is not None and all(x == jax.lax.Precision.HIGHEST for x in p)
+            assert highest == (dtype == jnp.float32), p
