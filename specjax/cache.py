@@ -62,6 +62,12 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def token_pairs(tokens: Sequence[int]) -> list[int]:
+    """(tokens[i], tokens[i + 1]) as one integer per position i < len - 1: the key of a draft
+    cache whose entry at i depends on the next token too (EAGLE's (feature_i, token_i+1))."""
+    return [(a << 32) | b for a, b in zip(tokens[:-1], tokens[1:])]
+
+
 def _page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
@@ -92,31 +98,34 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def _prefix_hashes(self, tokens: Sequence[int], num_full: int) -> list[bytes]:
-        hashes, parent = [], b""
+    def _prefix_hashes(self, tokens: Sequence[int], num_full: int, namespace: bytes = b"") -> list[bytes]:
+        hashes, parent = [], namespace
         for i in range(num_full):
             parent = _page_hash(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
             hashes.append(parent)
         return hashes
 
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """Pages already holding the longest full-page prefix of `tokens`."""
+    def match_prefix(self, tokens: Sequence[int], namespace: bytes = b"") -> list[int]:
+        """Pages already holding the longest full-page prefix of `tokens` (published under the
+        same `namespace`)."""
         pages = []
-        for h in self._prefix_hashes(tokens, len(tokens) // self.page_size):
+        for h in self._prefix_hashes(tokens, len(tokens) // self.page_size, namespace):
             page = self._hash_to_page.get(h)
             if page is None:
                 break
             pages.append(page)
         return pages
 
-    def allocate(self, num_slots: int, reusable_tokens: Sequence[int] = ()) -> tuple[list[int], int]:
-        """Pages for a sequence of `num_slots` slots, reusing cached pages of `reusable_tokens`.
+    def allocate(self, num_slots: int, reusable_tokens: Sequence[int] = (),
+                 namespace: bytes = b"") -> tuple[list[int], int]:
+        """Pages for a sequence of `num_slots` slots, reusing cached pages of `reusable_tokens`
+        (published under `namespace`: a key space of its own, such as token pairs).
 
         Returns (pages, cached_tokens): the first cached_tokens slots already hold valid K/V.
         Raises CacheFullError, changing nothing, when the pool is short.
         """
         total = pages_needed(num_slots, self.page_size)
-        shared = self.match_prefix(reusable_tokens)[:total]
+        shared = self.match_prefix(reusable_tokens, namespace)[:total]
         fresh = total - len(shared)
         shared_free = sum(1 for p in shared if self.refcount[p] == 0)
         available = self.num_free - shared_free
@@ -138,9 +147,9 @@ class PageAllocator:
             pages.append(p)
         return pages, len(shared) * self.page_size
 
-    def register_prefix(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
+    def register_prefix(self, pages: Sequence[int], tokens: Sequence[int], namespace: bytes = b"") -> None:
         """Publish the full pages of `tokens` (already written to `pages`) for reuse."""
-        for page, h in zip(pages, self._prefix_hashes(tokens, len(tokens) // self.page_size)):
+        for page, h in zip(pages, self._prefix_hashes(tokens, len(tokens) // self.page_size, namespace)):
             if h in self._hash_to_page or page in self._page_to_hash:
                 continue
             self._hash_to_page[h] = page

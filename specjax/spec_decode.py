@@ -37,9 +37,13 @@ class SpecContext:
     hidden: jax.Array | None = None
     # In update(): the target's hidden states [B, T, D] of the accepted path's nodes (by depth).
     path_hidden: jax.Array | None = None
-    # In init(): the target's hidden states [B, W, D] of prompt[:, :W] (prefix reuse is off for
-    # proposers that set `needs_prompt_features`).
+    # In init(): the target's hidden states [B, W, D] of the prompt's positions prompt_start ..
+    # prompt_start + W - 1 (prefix reuse is off for proposers that set `needs_prompt_features`,
+    # unless they set `resumes_from_prefix_pairs`).
     prompt_hidden: jax.Array | None = None
+    # In init(): int32[B], the first prompt position init() must process (None: 0); the ones
+    # before it come from shared prefix pages (`resumes_from_prefix_pairs`).
+    prompt_start: jax.Array | None = None
     # In update(): the target's greedy choice (argmax) int32[B, T] at every node of the verified
     # tree (Lookahead reads its Jacobi window's next iterate from it; 0 past verify's width and,
     # when sampling, outside the proposer's `argmax_nodes`).
@@ -82,6 +86,11 @@ class ProposerBase:
 
     # init() reads every prompt token's features (prefix reuse is then off)
     needs_prompt_features: bool = False
+    # init() can start at ctx.prompt_start over a draft cache paged like the target's, whose
+    # entry at position i depends on the tokens up to i + 1 alone (EAGLE's (feature_i,
+    # token_i+1) pairs): a server may then share prefix pages keyed by token pairs
+    # (`cache.token_pairs`), the draft entries in them included
+    resumes_from_prefix_pairs: bool = False
     # target layers whose concatenated outputs replace the final hidden state as features
     feature_layers: tuple = ()
     # update() keeps the state right after a step whose propose() did not run (a tree of the

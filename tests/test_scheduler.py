@@ -9,6 +9,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -215,3 +216,79 @@ def test_the_budget_picks_the_fastest_width_and_probes_the_others():
     b.record(1, 4, 10, 10 * 0.09, 2.0)
     b.record(1, 1, 10, 10 * 0.08, 1.0)
     assert b.choose(1) == 9
+
+
+def _eagle_init(proposer, pparams, pools, tokens, table, start, feats):
+    """EAGLE's init over one prompt `tokens` from position `start`, its features `feats` [W, D]
+    those of positions start .. start + W - 1, pages `table`."""
+    from specjax.spec_decode import SpecContext
+
+    n = len(tokens)
+    row = np.zeros((1, 64), np.int32)
+    row[0, :n] = tokens
+    width = n - 1 - start
+    ctx = SpecContext(jnp.asarray(row), jnp.asarray([n], jnp.int32),
+                      jnp.asarray([table + [0] * (8 - len(table))], jnp.int32), None,
+                      prompt_hidden=jnp.asarray(feats[None]), prompt_start=jnp.asarray([start], jnp.int32))
+    return proposer.init(pparams, pools, ctx, jnp.zeros((1, width), jnp.int32), jnp.asarray([n - 1], jnp.int32))
+
+
+def test_eagle_init_resumes_from_shared_prefix_pairs(target):
+    """init() from position 24 over pages another prompt left (same tokens 0..24) gives the draft
+    state a whole-prompt init gives; a neighbour whose token 24 differs leaves a draft entry
+    at position 23 that is not this prompt's, which is why such pages are keyed by pairs."""
+    proposer, pparams = _eagle2(target)
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(4, 64, size=25).tolist()  # tokens 0..24: pairs 0..23 (3 pages of 8)
+    mine = prefix + rng.integers(4, 64, size=9).tolist()
+    feats = rng.normal(size=(len(mine) - 1, CFG.hidden_size)).astype(np.float32)
+    pools = proposer.make_pools(16, 8, jnp.float32)
+    alone = _eagle_init(proposer, pparams, pools, mine, [0, 1, 2, 3, 4], 0, feats)
+
+    def resumed(neighbour_token_24):
+        other = prefix[:24] + [neighbour_token_24] + rng.integers(4, 64, size=6).tolist()
+        other_feats = np.concatenate([feats[:24], rng.normal(size=(len(other) - 25, CFG.hidden_size))])
+        left = _eagle_init(proposer, pparams, proposer.make_pools(16, 8, jnp.float32), other,
+                           [8, 9, 10, 11], 0, other_feats.astype(np.float32))
+        return _eagle_init(proposer, pparams, (left.k_pages, left.v_pages), mine, [8, 9, 10, 12, 13],
+                           24, feats[24:])
+
+    same = resumed(prefix[24])
+    np.testing.assert_allclose(same.next_hidden, alone.next_hidden, rtol=1e-5, atol=1e-5)
+    assert int(same.lengths[0]) == int(alone.lengths[0]) == len(mine) - 1
+    # every draft entry: pages 0..4 alone are pages 8, 9, 10 (shared) and 12, 13 resumed
+    for layer in range(len(alone.k_pages)):
+        np.testing.assert_allclose(np.asarray(same.k_pages[layer])[:, [8, 9, 10, 12, 13]],
+                                   np.asarray(alone.k_pages[layer])[:, [0, 1, 2, 3, 4]],
+                                   rtol=1e-5, atol=1e-5)
+    differs = resumed(4 + (prefix[24] - 4 + 1) % 60)
+    k_alone, k_differs = np.asarray(alone.k_pages[0])[:, 2], np.asarray(differs.k_pages[0])[:, 10]
+    np.testing.assert_allclose(k_differs[:, :7], k_alone[:, :7], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(k_differs[:, 7], k_alone[:, 7], rtol=1e-3, atol=1e-3)  # position 23
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SAMPLED], ids=["greedy", "sampled"])
+def test_eagle_requests_reuse_the_pages_of_a_shared_prefix(target, sampling):
+    """A later EAGLE request whose prompt shares full pages of token pairs with an earlier one
+    prefills only the rest, and gets the answer (and the target passes) it gets alone; an
+    identical prompt still runs its last pair."""
+    proposer, pparams = _eagle2(target)
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(4, 64, size=30).tolist()
+    prompts = [prefix + [5, 6, 7], prefix + [9, 10], prefix + [5, 6, 7]]
+    alone = Engine(target, CFG, num_pages=64, page_size=8)
+    outs = [alone.generate([p], 8, sampling=sampling, seeds=[21 + i], proposer=proposer,
+                           proposer_params=pparams) for i, p in enumerate(prompts)]
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    sched = Scheduler(engine, proposer, pparams, max_batch=2, sync_steps=2, admit_group=2,
+                      budget=False).start()
+    handles = []
+    for i, p in enumerate(prompts):  # one after the other: each finds the last one's pages
+        handles.append(sched.submit(p, 8, sampling=sampling, seed=21 + i))
+        handles[-1].result(timeout=300)
+    sched.stop()
+    assert [h.tokens for h in handles] == [o.token_ids[0] for o in outs]
+    assert [h.steps for h in handles] == [o.steps[0] for o in outs]
+    # pairs 0..29 are shared (tokens 0..30 agree): 3 full pages of 8; the repeat has pairs
+    # 0..31, but its lookup stops one pair short of its last, so it reuses 3 pages too
+    assert [h.cached_tokens for h in handles] == [0, 24, 24]

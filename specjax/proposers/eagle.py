@@ -75,6 +75,7 @@ class _EagleBase(ProposerBase):
     feature_layers: tuple = ()  # target layers whose outputs EAGLE-3 fuses ((): final hidden)
     rule: str = "match"
     needs_prompt_features: bool = True
+    resumes_from_prefix_pairs: bool = True
     min_prob: float = 0.0  # verify only drafts of cumulative draft probability >= this
 
     @property
@@ -135,14 +136,16 @@ class _EagleBase(ProposerBase):
 
     def init(self, params, pools, ctx, prompt_chunk, prompt_len):
         b, w = prompt_chunk.shape
+        start = jnp.zeros((b,), jnp.int32) if ctx.prompt_start is None else ctx.prompt_start
         rows = jnp.arange(b)[:, None]
         idx = jnp.arange(w)[None, :]
-        nxt = ctx.tokens[rows, jnp.clip(idx + 1, 0, ctx.tokens.shape[1] - 1)]  # token t + 1
-        valid = idx < prompt_len[:, None]
-        cache = PagedKVCache(pools[0], pools[1], ctx.block_tables, jnp.zeros((b,), jnp.int32))
+        nxt = ctx.tokens[rows, jnp.clip(start[:, None] + idx + 1, 0, ctx.tokens.shape[1] - 1)]  # t + 1
+        count = prompt_len - start  # pairs to run; those before `start` are in shared pages
+        valid = idx < count[:, None]
+        cache = PagedKVCache(pools[0], pools[1], ctx.block_tables, start)
         feats = self._target_features(params, ctx.prompt_hidden)
-        h, cache = self._run_chain(params, cache, nxt, feats, cache.lengths, valid)
-        last = jnp.take_along_axis(h, jnp.maximum(prompt_len - 1, 0)[:, None, None], axis=1)[:, 0]
+        h, cache = self._run_chain(params, cache, nxt, feats, start, valid)
+        last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
         return EagleState(cache.k_pages, cache.v_pages, prompt_len, last)
 
     def update(self, params, state: EagleState, ctx, result, active):

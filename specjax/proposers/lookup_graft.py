@@ -119,6 +119,7 @@ class LookupGraftProposer(ProposerBase):
     # The base's own optional parts (its features, scratch slots, the nodes its update reads,
     # and what sharding its parameters needs), stated one by one.
     needs_prompt_features = property(lambda self: self.base.needs_prompt_features)
+    resumes_from_prefix_pairs = property(lambda self: self.base.resumes_from_prefix_pairs)
     feature_layers = property(lambda self: self.base.feature_layers)
     draft_scratch = property(lambda self: self.base.draft_scratch)
     argmax_nodes = property(lambda self: self.base.argmax_nodes)

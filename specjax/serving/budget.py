@@ -52,6 +52,10 @@ class BudgetedProposer(ProposerBase):
         return self.base.needs_prompt_features
 
     @property
+    def resumes_from_prefix_pairs(self):
+        return self.base.resumes_from_prefix_pairs
+
+    @property
     def feature_layers(self):
         return self.base.feature_layers
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, bucket
-from specjax.cache import CacheFullError, PagedKVCache, block_table_array
+from specjax.cache import CacheFullError, PagedKVCache, block_table_array, token_pairs
 from specjax.continuous import _resize
 from specjax.generate import decode_step, prefill
 from specjax.sampling import SamplingConfig
@@ -80,6 +80,7 @@ class Handle:
     steps: int = 0  # target passes the request took part in
     accepted_draft_tokens: int = 0  # drafted tokens the target accepted
     draft_tokens: int = 0  # drafted tokens verified (tree nodes past the root, every step)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from shared prefix pages
     finished: Finished | None = None
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -336,11 +337,24 @@ class Scheduler:
             self.sampling = None
         return self._free_slots_on_device(state, slots)
 
+    def _prefix_key(self, prompt: list[int], lookup: bool) -> tuple[list[int], bytes]:
+        """(tokens, namespace) under which a prompt's prefix pages are found (`lookup`) or
+        published. K/V at position i depends on the tokens up to i; a drafter that resumes from
+        prefix pairs (EAGLE) keeps entries that depend on token i + 1 too, so its pages are keyed
+        by token pairs, one position short of the prompt when looking up (init() must run at
+        least the last pair). Other drafters that read the prompt's features reuse nothing."""
+        p = self.proposer
+        if p is None or not p.needs_prompt_features:
+            return prompt[:-1], b""
+        if not p.resumes_from_prefix_pairs:
+            return [], b""
+        pairs = token_pairs(prompt)
+        return (pairs[:-1] if lookup else pairs), b"pairs"
+
     def _take(self) -> list[tuple[int, Handle, list[int], int]]:
         """Queued requests for the free slots, first come first served, while the pool has pages
         and their sampling settings match the running batch's: (slot, handle, pages, cached)."""
         allocator = self.engine.allocator
-        reuse = self.proposer is None or not self.proposer.needs_prompt_features
         taken = []
         with self._cv:
             for s in range(len(self.owner)):
@@ -351,13 +365,13 @@ class Scheduler:
                     break  # the running batch finishes first
                 need = len(h.prompt) + h.max_new_tokens + self.scratch
                 try:
-                    pages, cached = allocator.allocate(need, reusable_tokens=h.prompt[:-1]
-                                                       if reuse else ())
+                    pages, cached = allocator.allocate(need, *self._prefix_key(h.prompt, True))
                 except CacheFullError:
                     break  # wait for running requests to free pages
                 self._queue.pop(0)
                 self.owner[s], self.pages[s] = h, pages
                 self.sampling = h.sampling
+                h.cached_tokens = cached
                 taken.append((s, h, pages, cached))
         return taken
 
@@ -405,9 +419,13 @@ class Scheduler:
         return self._prefill(state, taken)
 
     def _prefill(self, state, taken):
-        """Prefill the taken requests' prompts as one group of `self.group` rows and write their
-        rows (tokens, lengths, keys, tables; features and proposer state) into the batch."""
-        engine, g, n = self.engine, self.group, len(taken)
+        """Prefill the taken requests' prompts as one group and write their rows (tokens,
+        lengths, keys, tables; features and proposer state) into the batch. The group has the
+        next power of two rows at or above the count, up to `self.group`: a lone admission (the
+        common case at low load) prefills one row, not `self.group` padded ones, and the group
+        sizes stay few (one compile each)."""
+        engine, n = self.engine, len(taken)
+        g = min(self.group, 1 << (n - 1).bit_length())
         sink = engine.allocator.num_pages
         pps, width = state.cache.block_tables.shape[1], state.tokens.shape[1]
         prompts = [h.prompt for _, h, _, _ in taken] + [[0]] * (g - n)
@@ -425,7 +443,7 @@ class Scheduler:
                                     jnp.asarray([len(x) for x in chunks], np.int32), layers,
                                     mesh=self.mesh)
         for _, h, pages, _ in taken:
-            engine.allocator.register_prefix(pages, h.prompt[:-1])
+            engine.allocator.register_prefix(pages, *self._prefix_key(h.prompt, False))
         plen = np.asarray([len(p) for p in prompts], np.int32)
         rows = np.zeros((g, width), np.int32)
         for r, p in enumerate(prompts):
@@ -445,11 +463,15 @@ class Scheduler:
         if self.proposer is None:
             return state.replace(**new)
         p = self.proposer
-        prompt_chunk = np.zeros((g, coarse(int(plen.max()) - 1)), np.int32)
-        for r, q in enumerate(prompts):
-            prompt_chunk[r, :len(q) - 1] = q[:-1]
+        # init() runs from the first position prefill ran when it resumes from shared pairs,
+        # else over the whole prompt (a draft model prefills its own cache)
+        start = cached if p.resumes_from_prefix_pairs else [0] * g
+        runs = [q[c:len(q) - 1] for q, c in zip(prompts, start)]
+        prompt_chunk = np.zeros((g, coarse(max(map(len, runs)))), np.int32)
+        for r, q in enumerate(runs):
+            prompt_chunk[r, :len(q)] = q
         ctx = SpecContext(jnp.asarray(rows), jnp.asarray(plen), jnp.asarray(table), last,
-                          prompt_hidden=hidden)
+                          prompt_hidden=hidden, prompt_start=jnp.asarray(start, jnp.int32))
         fresh = init_proposer(p, self.proposer_params, p.pools_of(state.proposer_state), ctx,
                               jnp.asarray(prompt_chunk), jnp.asarray(plen - 1), mesh=self.mesh)
         return state.replace(**new, features=state.features.at[slots].set(last[:n]),

@@ -120,7 +120,8 @@ def usage_of(handle, prompt_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "steps": handle.steps,
             "draft_tokens": drafted, "accepted_draft_tokens": handle.accepted_draft_tokens,
-            "acceptance_rate": round(handle.accepted_draft_tokens / drafted, 4) if drafted else 0.0}
+            "acceptance_rate": round(handle.accepted_draft_tokens / drafted, 4) if drafted else 0.0,
+            "prompt_tokens_details": {"cached_tokens": handle.cached_tokens}}
 
 
 def _finish_reason(finished: Finished, stream: TextStream) -> str:
