@@ -5,7 +5,9 @@ For each method the script starts a server in this process (the scheduler and th
 requests per concurrency level from that many client threads (greedy, up to --max-tokens new
 tokens), like genai-perf's fixed-concurrency runs; each level runs its prompts twice and times
 the second pass (the first compiles the shapes they meet). Per level: time to first token, inter-token
-latency (per request: (last - first token time) / (tokens - 1)), output tokens per second
+latency (per request: (last - first token time) / (tokens - 1)), the longest wait between two
+streamed chunks of any request (what a long prompt's prefill costs the running ones), output
+tokens per second
 (all answers' tokens over the level's wall time) and mean accepted tokens per target pass
 (from the responses' `usage`). Every answer is checked against the first method's (greedy:
 the same text).
@@ -55,7 +57,8 @@ def run_level(url, prompts, concurrency, max_tokens):
             records[i] = {"text": "".join(pieces), "tokens": n, "steps": usage.model_extra["steps"],
                           "ttft": stamps[0] - t0 if stamps else None,
                           "itl": (stamps[-1] - stamps[0]) / (n - 1) if len(stamps) > 1 and n > 1
-                          else None}
+                          else None,
+                          "stall": max((b - a for a, b in zip(stamps, stamps[1:])), default=None)}
 
     t = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -76,6 +79,7 @@ def summarize(records, wall):
             "ttft_ms_mean": round(1000 * statistics.mean(ttft), 1),
             "ttft_ms_p50": round(1000 * statistics.median(ttft), 1),
             "itl_ms_mean": round(1000 * statistics.mean(itl), 2),
+            "stall_ms_max": round(1000 * max(r["stall"] or 0 for r in records), 1),
             "tokens_per_step": round(tokens / sum(r["steps"] for r in records), 3)}
 
 
@@ -85,12 +89,15 @@ def main():
     ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
     ap.add_argument("--methods", default="vanilla,pld,eagle2,eagle2@fixed",
                     help="comma-separated METHOD[:key=value...] (make_proposer options); "
-                         "@fixed: verify whole trees (specjax serve --fixed-speculation)")
+                         "@fixed: verify whole trees (specjax serve --fixed-speculation); "
+                         "@whole: prefill whole prompts (--prefill-chunk 0)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the "
                                                              "level's concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=256,
+                    help="prompt tokens per row per round (0: whole prompts)")
     ap.add_argument("--out", default="benchmarks/results/serve")
     args = ap.parse_args()
 
@@ -111,12 +118,13 @@ def main():
     pages = args.max_batch * -(-(1024 + args.max_tokens + 64) // 16) + 8
     rows, reference = [], None
     for text in tqdm(args.methods.split(","), desc="methods"):
-        name, _, fixed = text.partition("@")
+        name, *suffixes = text.split("@")
         spec = MethodSpec.parse(name)
         proposer, pparams = make_proposer(spec.method, model, **dict(spec.options))
         engine = Engine(model.params, model.config, num_pages=pages, page_size=16)
         sched = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
-                          budget=fixed != "fixed")
+                          prefill_chunk=None if "whole" in suffixes else args.prefill_chunk or None,
+                          budget="fixed" not in suffixes)
         with running_in_thread(create_app(sched, model.tokenizer, "m")) as url:
             for c in tqdm(levels, desc=text, leave=False):
                 run_level(url, prompts, c, args.max_tokens)  # compiles what the level meets
@@ -136,13 +144,15 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": machine(), "model": args.model, "requests_per_level": n,
             "max_tokens": args.max_tokens, "max_batch": args.max_batch,
+            "prefill_chunk": args.prefill_chunk,
             "date": time.strftime("%Y-%m-%d")}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     head = ("| method | concurrency | output tok/s | vs first | TTFT mean / p50 ms | ITL ms | "
-            "tokens per step | same text |\n|---|---|---|---|---|---|---|---|\n")
+            "longest stall ms | tokens per step | same text |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(f"| {r['method']} | {r['concurrency']} | {r['output_tokens_per_s']} | "
                    f"{r['throughput_vs_first']:.2f}x | {r['ttft_ms_mean']} / {r['ttft_ms_p50']} | "
-                   f"{r['itl_ms_mean']} | {r['tokens_per_step']} | "
+                   f"{r['itl_ms_mean']} | {r['stall_ms_max']} | {r['tokens_per_step']} | "
                    f"{r['same_as_first_method']}/{r['requests']} |\n" for r in rows)
     out.with_suffix(".md").write_text(f"{meta}\n\n{head}{body}")
     plot(rows, out.with_suffix(".png"), meta)

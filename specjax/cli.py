@@ -358,6 +358,9 @@ def _add_serve(sub):
                    help="requests waiting for a slot before new ones get HTTP 429")
     p.add_argument("--sync-steps", type=int, default=4,
                    help="decoding steps between two looks at the queue and the streams")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens a request prefills per round between decoding steps, so "
+                        "a long prompt does not stall the running ones (0: whole prompts)")
     p.add_argument("--cache-pages", type=int, default=None,
                    help="KV pages in the pool (default: max-batch full contexts of 2048 tokens)")
     p.add_argument("--page-size", type=int, default=16)
@@ -381,6 +384,8 @@ def cmd_serve(args) -> int:
     for flag in ("max_batch", "max_queue", "sync_steps"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.prefill_chunk < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0 (0: whole prompts), got {args.prefill_chunk}")
     config = method_config_of(args)
     try:
         import uvicorn
@@ -404,6 +409,7 @@ def cmd_serve(args) -> int:
                     mesh=mesh)
     scheduler = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
                           max_queue=args.max_queue, sync_steps=args.sync_steps,
+                          prefill_chunk=args.prefill_chunk or None,
                           budget=not args.fixed_speculation)
     app = create_app(scheduler, model.tokenizer, args.served_model_name or args.model)
     print(f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1",

@@ -159,6 +159,56 @@ def test_queue_full_and_requests_that_can_never_run(target):
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
+def _serve_beside_a_running_request(target, kind, sampling, prefill_chunk):
+    """A short request runs; once it has a token, a 60-token prompt arrives. Returns both
+    handles, how many rounds handed the short one tokens from then to the long one's first, the
+    engine (its pools given back) and the proposer."""
+    proposer, pparams = _proposer(kind, target)
+    rng = np.random.default_rng(5)
+    short, long_ = rng.integers(4, 64, size=6).tolist(), rng.integers(4, 64, size=20).tolist() * 3
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    sched = Scheduler(engine, proposer, pparams, max_batch=2, sync_steps=1, budget=False,
+                      prefill_chunk=prefill_chunk).start()
+    order = []
+    first = sched.submit(short, 40, sampling=sampling, seed=1,
+                         notify=lambda e: order.append(("short", e)))
+    first.events.get(timeout=300)
+    order.append(("submitted", None))
+    second = sched.submit(long_, 12, sampling=sampling, seed=2,
+                          notify=lambda e: order.append(("long", e)))
+    first.result(timeout=300), second.result(timeout=300)
+    sched.stop()
+    who = [w for w, _ in order]
+    rounds = who[who.index("submitted"):who.index("long")].count("short")  # events meanwhile
+    return (short, long_), (first, second), rounds, engine, proposer
+
+
+@pytest.mark.parametrize("kind,sampling", [("vanilla", SamplingConfig()), ("eagle2", SAMPLED)],
+                         ids=["greedy-vanilla", "sampled-eagle2"])
+def test_a_long_prompt_is_prefilled_in_chunks_between_rounds(target, kind, sampling):
+    """With prefill_chunk=8 a 60-token prompt takes 8 rounds to prefill, and the running request
+    gains tokens in each; both answers (and target passes) equal each alone, and the K/V and
+    EAGLE's draft entries left in the pools equal those of whole-prompt prefill. Control: whole
+    prompts leave the running request waiting for the long prefill."""
+    prompts, chunked, rounds, engine, proposer = _serve_beside_a_running_request(
+        target, kind, sampling, 8)
+    _, whole, whole_rounds, whole_engine, _ = _serve_beside_a_running_request(
+        target, kind, sampling, None)
+    alone = Engine(target, CFG, num_pages=64, page_size=8)
+    pparams = _proposer(kind, target)[1]
+    outs = [alone.generate([p], n, sampling=sampling, seeds=[seed], proposer=proposer,
+                           proposer_params=pparams) for p, n, seed in zip(prompts, (40, 12), (1, 2))]
+    for handles in (chunked, whole):
+        assert [h.tokens for h in handles] == [o.token_ids[0] for o in outs]
+        assert [h.steps for h in handles] == [o.steps[0] for o in outs]
+    assert rounds >= 7 and whole_rounds <= 2, (rounds, whole_rounds)
+    pools = [(e.k_pages, e.v_pages, e._proposer_pools.get(proposer)) for e in (engine, whole_engine)]
+    for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in pools)):  # [kv heads, pages, ...]
+        n = engine.allocator.num_pages  # the sink page after them holds what idle rows wrote
+        np.testing.assert_allclose(np.asarray(a)[:, :n], np.asarray(b)[:, :n], rtol=1e-3, atol=1e-3)
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
 def test_cache_exhaustion_makes_requests_wait(target):
     """Four requests that fit the cache one or two at a time all finish, each as alone."""
     prompts = _prompts(4, seed=2)

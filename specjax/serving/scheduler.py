@@ -12,6 +12,10 @@ and hands each request the tokens it gained. Every sequence drafts, verifies and
 tokens, as in `Engine.generate`; each keeps its own PRNG key, folded with its length every step,
 so an answer depends on its prompt, seed and sampling settings alone, never on its neighbours.
 
+A prompt longer than `prefill_chunk` uncached tokens is prefilled in chunks, one per round
+between decoding steps (its slot stays idle until the last chunk), so a long prompt delays the
+running requests by one chunk's prefill per round, not by its whole prefill.
+
 One batch runs one `SamplingConfig` (it is compiled into the step): a request whose settings
 differ from the running ones waits until those finish (first come, first served).
 """
@@ -146,11 +150,15 @@ class Scheduler:
 
     def __init__(self, engine, proposer=None, proposer_params=None, *, max_batch: int = 8,
                  max_queue: int = 256, sync_steps: int = 4, admit_group: int = 4,
-                 eos_token_ids=None, budget: bool = True):
+                 prefill_chunk: int | None = 256, eos_token_ids=None, budget: bool = True):
         """budget: choose each round how many tree nodes a step verifies, from measured cost
-        and yield (`serving.budget`); False verifies the proposer's whole trees."""
+        and yield (`serving.budget`); False verifies the proposer's whole trees.
+        prefill_chunk: the most prompt tokens a row prefills per round (None: whole prompts)."""
         if max_batch < 1 or sync_steps < 1 or admit_group < 1:
             raise ValueError("max_batch, sync_steps and admit_group must be >= 1")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.engine, self.proposer, self.mesh = engine, proposer, engine.mesh
         proposer_params = engine._sharded(proposer, proposer_params)  # on the mesh, if any
         self.proposer_params, self.budget, self._plain = proposer_params, None, None
@@ -177,9 +185,10 @@ class Scheduler:
         self.owner: list[Handle | None] = [None]
         self.pages: list[list[int]] = [[]]
         self.emitted = [0]
+        self.filled: list[int | None] = [None]  # prompt positions prefilled, while prefilling
         self.sampling: SamplingConfig | None = None  # the running batch's settings
         self.stats = dict(requests=0, finished=0, cancelled=0, errors=0, new_tokens=0, steps=0,
-                          step_seconds=0.0, rounds=0, accepted_draft_tokens=0)
+                          step_seconds=0.0, rounds=0, accepted_draft_tokens=0, prefill_chunks=0)
         self.error: BaseException | None = None
         # pages per sequence the tables hold: grows with the longest request seen and never
         # shrinks, so a batch meets few shapes (each compiles while requests wait)
@@ -225,6 +234,10 @@ class Scheduler:
     def busy(self) -> int:
         return sum(h is not None for h in self.owner)
 
+    def decoding(self) -> list[int]:
+        """Slots whose request is past its prefill."""
+        return [s for s, h in enumerate(self.owner) if h is not None and self.filled[s] is None]
+
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self._run, name="specjax-scheduler", daemon=True)
         self._thread.start()
@@ -258,7 +271,7 @@ class Scheduler:
                         break
                 state = self._drop_cancelled(state)
                 state = self._admit(state)
-                if self.busy():
+                if self.decoding():
                     state = self._advance(state)
         except BaseException as e:  # a failed device call: every request learns why
             self.error = e
@@ -309,7 +322,7 @@ class Scheduler:
 
     def _release(self, s: int) -> None:
         self.engine.allocator.free(self.pages[s])
-        self.pages[s], self.owner[s], self.emitted[s] = [], None, 0
+        self.pages[s], self.owner[s], self.emitted[s], self.filled[s] = [], None, 0, None
 
     def _free_slots_on_device(self, state, slots):
         """Mark `slots` done with their tables on the sink page (they write nothing real)."""
@@ -351,14 +364,15 @@ class Scheduler:
         pairs = token_pairs(prompt)
         return (pairs[:-1] if lookup else pairs), b"pairs"
 
-    def _take(self) -> list[tuple[int, Handle, list[int], int]]:
+    def _take(self) -> list[int]:
         """Queued requests for the free slots, first come first served, while the pool has pages
-        and their sampling settings match the running batch's: (slot, handle, pages, cached)."""
+        and their sampling settings match the running batch's: the slots they took (prefilling
+        from their cached prefix)."""
         allocator = self.engine.allocator
-        taken = []
+        taken, room = [], self.group - len(self._filling())  # rows one prefill pass takes
         with self._cv:
             for s in range(len(self.owner)):
-                if self.owner[s] is not None or not self._queue or len(taken) == self.group:
+                if self.owner[s] is not None or not self._queue or len(taken) >= room:
                     continue
                 h = self._queue[0]
                 if self.sampling is not None and h.sampling != self.sampling:
@@ -369,10 +383,10 @@ class Scheduler:
                 except CacheFullError:
                     break  # wait for running requests to free pages
                 self._queue.pop(0)
-                self.owner[s], self.pages[s] = h, pages
+                self.owner[s], self.pages[s], self.filled[s] = h, pages, cached
                 self.sampling = h.sampling
                 h.cached_tokens = cached
-                taken.append((s, h, pages, cached))
+                taken.append(s)
         return taken
 
     def _rows_wanted(self) -> int:
@@ -401,12 +415,13 @@ class Scheduler:
         self.owner = [self.owner[s] for s in keep] + [None] * (want - len(keep))
         self.pages = [self.pages[s] for s in keep] + [[] for _ in range(want - len(keep))]
         self.emitted = [self.emitted[s] for s in keep] + [0] * (want - len(keep))
+        self.filled = [self.filled[s] for s in keep] + [None] * (want - len(keep))
         return self._free_slots_on_device(state, list(range(len(keep), want)))
 
     def _admit(self, state):
         state = self._fit(state)
-        taken = self._take()
-        if not taken and not self.busy():
+        self._take()
+        if not self.busy():
             return state
         engine = self.engine
         reach = max(len(h.prompt) + h.max_new_tokens + self.scratch
@@ -414,69 +429,80 @@ class Scheduler:
         self.pages_per_seq = max(self.pages_per_seq, -(-coarse(reach) // engine.page_size))
         pps = self.pages_per_seq
         state = _resize(state, pps, pps * engine.page_size + 1)
-        if not taken:
-            return state
-        return self._prefill(state, taken)
+        filling = self._filling()
+        return self._prefill(state, filling[:self.group]) if filling else state
 
-    def _prefill(self, state, taken):
-        """Prefill the taken requests' prompts as one group and write their rows (tokens,
-        lengths, keys, tables; features and proposer state) into the batch. The group has the
-        next power of two rows at or above the count, up to `self.group`: a lone admission (the
-        common case at low load) prefills one row, not `self.group` padded ones, and the group
-        sizes stay few (one compile each)."""
-        engine, n = self.engine, len(taken)
-        g = min(self.group, 1 << (n - 1).bit_length())
+    def _filling(self) -> list[int]:
+        """Slots still prefilling their prompt, in the order their requests arrived."""
+        slots = [s for s, f in enumerate(self.filled) if f is not None]
+        return sorted(slots, key=lambda s: self.owner[s].id)
+
+    def _prefill(self, state, slots):
+        """Prefill the next chunk (up to `prefill_chunk` tokens) of each slot's prompt, as one
+        group. Rows whose prompt ends in this chunk start decoding: their tokens, lengths, keys,
+        tables, features and proposer state are written into the batch. The others stay idle
+        (done, on the sink page) until a later round; only their K/V, and the entries of a
+        drafter that resumes from prefix pairs, are written: a chunk is prefilled as if its
+        prompt ended one token past it, as a later request resumes from shared prefix pages.
+        The group has the next power of two rows at or above the count, up to `self.group`: a
+        lone admission (the common case at low load) prefills one row, and the group sizes stay
+        few (one compile each)."""
+        engine, p, chunk = self.engine, self.proposer, self.prefill_chunk
+        runs = []  # (slot, the prompt as far as this chunk reaches, first position to prefill)
+        for s in slots:
+            prompt, start = self.owner[s].prompt, self.filled[s]
+            end = len(prompt) if chunk is None else min(len(prompt), start + chunk + 1)
+            runs.append((s, prompt[:end], start))
+        runs.sort(key=lambda r: len(r[1]) < len(self.owner[r[0]].prompt))  # finishing ones first
+        n = sum(len(q) == len(self.owner[s].prompt) for s, q, _ in runs)  # rows that start now
+        g = min(self.group, 1 << (len(runs) - 1).bit_length())
+        pad = g - len(runs)
         sink = engine.allocator.num_pages
         pps, width = state.cache.block_tables.shape[1], state.tokens.shape[1]
-        prompts = [h.prompt for _, h, _, _ in taken] + [[0]] * (g - n)
-        cached = [c for _, _, _, c in taken] + [0] * (g - n)
-        table = block_table_array([p for _, _, p, _ in taken] + [[]] * (g - n), pps, sink)
-        chunks = [p[c:len(p) - 1] for p, c in zip(prompts, cached)]
-        chunk = np.zeros((g, coarse(max(map(len, chunks)))), np.int32)
-        for r, c in enumerate(chunks):
-            chunk[r, :len(c)] = c
-        layers = () if self.proposer is None else tuple(self.proposer.feature_layers)
+        prompts = [q for _, q, _ in runs] + [[0]] * pad
+        cached = [c for _, _, c in runs] + [0] * pad
+        table = block_table_array([self.pages[s] for s, _, _ in runs] + [[]] * pad, pps, sink)
+        chunks = [q[c:len(q) - 1] for q, c in zip(prompts, cached)]
+        layers = () if p is None else tuple(p.feature_layers)
         c = state.cache
         sub = PagedKVCache(c.k_pages, c.v_pages, jnp.asarray(table),  # prefill donates it
                            jnp.asarray(cached, jnp.int32))
-        sub, last, hidden = prefill(engine.params, engine.config, sub, jnp.asarray(chunk),
+        sub, last, hidden = prefill(engine.params, engine.config, sub, _packed(chunks),
                                     jnp.asarray([len(x) for x in chunks], np.int32), layers,
                                     mesh=self.mesh)
-        for _, h, pages, _ in taken:
-            engine.allocator.register_prefix(pages, *self._prefix_key(h.prompt, False))
-        plen = np.asarray([len(p) for p in prompts], np.int32)
+        self.stats["prefill_chunks"] += len(runs)
+        for s, q, _ in runs[n:]:
+            self.filled[s] = len(q) - 1
+        for s, q, _ in runs[:n]:
+            engine.allocator.register_prefix(self.pages[s], *self._prefix_key(q, False))
+            self.filled[s], self.emitted[s] = None, len(q)
+        on = jnp.asarray([s for s, _, _ in runs[:n]], jnp.int32)  # rows that start decoding
+        plen = np.asarray([len(q) for q in prompts], np.int32)
         rows = np.zeros((g, width), np.int32)
-        for r, p in enumerate(prompts):
-            rows[r, :len(p)] = p
-        slots = jnp.asarray([s for s, _, _, _ in taken])
-        keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([h.seed for _, h, _, _ in taken]))
+        for r, q in enumerate(prompts):
+            rows[r, :len(q)] = q
+        keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([self.owner[s].seed for s, _, _ in runs]))
         cache = PagedKVCache(sub.k_pages, sub.v_pages,
-                             c.block_tables.at[slots].set(jnp.asarray(table[:n])),
-                             c.lengths.at[slots].set(jnp.asarray(plen[:n] - 1)))
-        for s, _, _, _ in taken:
-            self.emitted[s] = int(plen[[t[0] for t in taken].index(s)])
-        new = dict(tokens=state.tokens.at[slots].set(jnp.asarray(rows[:n])),
-                   lengths=state.lengths.at[slots].set(jnp.asarray(plen[:n])),
-                   prompt_lengths=state.prompt_lengths.at[slots].set(jnp.asarray(plen[:n])),
-                   done=state.done.at[slots].set(False), steps=state.steps.at[slots].set(0),
-                   keys=state.keys.at[slots].set(keys.astype(state.keys.dtype)), cache=cache)
-        if self.proposer is None:
+                             c.block_tables.at[on].set(jnp.asarray(table[:n])),
+                             c.lengths.at[on].set(jnp.asarray(plen[:n] - 1)))
+        new = dict(tokens=state.tokens.at[on].set(jnp.asarray(rows[:n])),
+                   lengths=state.lengths.at[on].set(jnp.asarray(plen[:n])),
+                   prompt_lengths=state.prompt_lengths.at[on].set(jnp.asarray(plen[:n])),
+                   done=state.done.at[on].set(False), steps=state.steps.at[on].set(0),
+                   keys=state.keys.at[on].set(keys[:n].astype(state.keys.dtype)), cache=cache)
+        if p is None or not (n or p.resumes_from_prefix_pairs):
             return state.replace(**new)
-        p = self.proposer
         # init() runs from the first position prefill ran when it resumes from shared pairs,
         # else over the whole prompt (a draft model prefills its own cache)
         start = cached if p.resumes_from_prefix_pairs else [0] * g
-        runs = [q[c:len(q) - 1] for q, c in zip(prompts, start)]
-        prompt_chunk = np.zeros((g, coarse(max(map(len, runs)))), np.int32)
-        for r, q in enumerate(runs):
-            prompt_chunk[r, :len(q)] = q
         ctx = SpecContext(jnp.asarray(rows), jnp.asarray(plen), jnp.asarray(table), last,
                           prompt_hidden=hidden, prompt_start=jnp.asarray(start, jnp.int32))
         fresh = init_proposer(p, self.proposer_params, p.pools_of(state.proposer_state), ctx,
-                              jnp.asarray(prompt_chunk), jnp.asarray(plen - 1), mesh=self.mesh)
-        return state.replace(**new, features=state.features.at[slots].set(last[:n]),
-                             proposer_state=merge_rows(p, state.proposer_state, fresh, slots),
-                             accepted_hist=state.accepted_hist.at[slots].set(0))
+                              _packed([q[c:len(q) - 1] for q, c in zip(prompts, start)]),
+                              jnp.asarray(plen - 1), mesh=self.mesh)
+        return state.replace(**new, features=state.features.at[on].set(last[:n]),
+                             proposer_state=merge_rows(p, state.proposer_state, fresh, on),
+                             accepted_hist=state.accepted_hist.at[on].set(0))
 
     def _compile_twin(self, args):
         """On a batch shape first met, compile the other of the two step programs (drafting,
@@ -493,9 +519,8 @@ class Scheduler:
 
     def _advance(self, state):
         limits = np.zeros((len(self.owner),), np.int32)
-        for s, h in enumerate(self.owner):
-            if h is not None:
-                limits[s] = h.max_new_tokens
+        for s in self.decoding():
+            limits[s] = self.owner[s].max_new_tokens
         params, width, proposer = self.proposer_params, None, self.proposer
         if proposer is not None:
             width = proposer.tree_size
@@ -525,9 +550,8 @@ class Scheduler:
                                float((lengths - lengths_before).sum() / ran.sum()))
         hist = None if self.proposer is None else np.asarray(state.accepted_hist)
         finished = []
-        for s, h in enumerate(self.owner):
-            if h is None:
-                continue
+        for s in self.decoding():
+            h = self.owner[s]
             new = tokens[s, self.emitted[s]:lengths[s]].tolist()
             self.emitted[s] = int(lengths[s])
             h.steps = int(steps[s])
@@ -550,6 +574,14 @@ class Scheduler:
         if not self.busy():
             self.sampling = None
         return self._free_slots_on_device(state, finished)
+
+
+def _packed(runs) -> jax.Array:
+    """int32[len(runs), coarse(longest)]: token runs, zero-padded to a shape of few sizes."""
+    out = np.zeros((len(runs), coarse(max(map(len, runs)))), np.int32)
+    for r, q in enumerate(runs):
+        out[r, :len(q)] = q
+    return jnp.asarray(out)
 
 
 def _twin_key(args):
