@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --method eagle2
     python benchmarks/profile_step.py --method eagle2 --option eagle_total_tokens=8 --top 20
+    python benchmarks/profile_step.py --method eagle2 --option acceptance=recursive --temperature 1
 
 Generates for one dev prompt under `jax.profiler`, with XLA's optimized HLO dumped, and sums the
 time of every op of the jitted loop by the `jax.named_scope` of spec_step's phase it belongs to
@@ -54,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--nth", type=int, default=0, help="which of the category's prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=10, help="also list the N costliest ops")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="specjax-profile-")
@@ -82,7 +84,10 @@ def main(argv=None):
     ids = encode_prompt(model.tokenizer, prompt["text"], False)
     engine = Engine(model.params, model.config)
     proposer, proposer_params = make_proposer(args.method, model, **options)
+    from specjax.sampling import SamplingConfig
+
     kw = dict(proposer=proposer, proposer_params=proposer_params) if proposer else {}
+    kw["sampling"] = SamplingConfig(temperature=args.temperature)
     engine.generate([ids], args.max_new_tokens, warmup=True, **kw)  # compiles (and dumps HLO)
     trace = os.path.join(work, "trace")
     jax.profiler.start_trace(trace)

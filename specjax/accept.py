@@ -10,6 +10,15 @@ Lossless rules (docs/design.md, "Acceptance, and why each rule is lossless"):
 - `residual` (chains drafted by sampling from q, use_logits=True): accept x with
   min(1, p(x) / q(x)); on rejection draw from norm(max(0, p - q)); a bonus draw from p when every
   draft is accepted (Leviathan et al., Chen et al.).
+- `recursive` (trees whose siblings were drawn one after another without replacement from q,
+  Jeon et al. 2024, "Recursive Speculative Decoding"): at the current node, with p' = p there and
+  q' = q, try the children in draw order: accept c with min(1, p'(c) / q'(c)) and move into it;
+  on rejection p' <- norm(max(0, p' - q')) and q' <- q' without c, renormalized; when every child
+  is rejected draw from p', and at a leaf draw the bonus from p. Each try is a speculative-sampling
+  step of target p' with a proposal q' that is exactly the distribution of that child given the
+  earlier ones. By induction on the siblings left, what follows a rejection outputs
+  norm(max(0, p' - q')) whatever was rejected, so each try outputs min(p', q') + max(0, p' - q')
+  = p', and the first outputs p.
 
 Lossy by design, offered because Medusa offers it: `typical` acceptance keeps a drafted token x
 when p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))) at its parent, follows the
@@ -96,6 +105,12 @@ def accept_draws(tree: DraftTree, y) -> AcceptResult:
     return _follow(tree, match, y)
 
 
+def _normalized(w, fallback):
+    """w [B, V] over its sum, or `fallback` for rows without mass (numerically only)."""
+    mass = jnp.sum(w, axis=-1, keepdims=True)
+    return jnp.where(mass > 0, w / jnp.where(mass > 0, mass, 1.0), fallback)
+
+
 def accept_residual(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
     """The `residual` rule over chains whose node i was drawn from q = draft_logprobs[:, i]."""
     if tree.draft_logprobs is None:
@@ -118,13 +133,54 @@ def accept_residual(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> 
     # Stopped at a rejected draft: sample the residual; ran out of drafts: sample p (the bonus).
     rejected = jnp.take_along_axis(tree.valid, jnp.minimum(n + 1, t - 1)[:, None], 1)[:, 0] & (n + 1 < t)
     q_next = jnp.exp(logq[rows, jnp.minimum(n + 1, t - 1)])
-    residual = jnp.maximum(p_n - q_next, 0.0)
-    mass = jnp.sum(residual, axis=-1, keepdims=True)
-    use_residual = rejected[:, None] & (mass > 0)
-    dist = jnp.where(use_residual, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    dist = jnp.where(rejected[:, None], _normalized(jnp.maximum(p_n - q_next, 0.0), p_n), p_n)
     nxt = jax.vmap(lambda k, d: categorical(k, jnp.log(d)))(k_res, dist)
     path = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     return AcceptResult(path, n, nxt)
+
+
+def _after_rejection(p, q, x, p_node):
+    """(p', q') [B, V] after the draft x [B] is rejected: the residual norm(max(0, p - q)) (p at
+    the node if it has no mass), and q without x renormalized, the next sibling's distribution."""
+    drawn = jnp.arange(q.shape[-1])[None, :] == x[:, None]
+    return (_normalized(jnp.maximum(p - q, 0.0), p_node),
+            _normalized(jnp.where(drawn, 0.0, q), jnp.zeros_like(q)))
+
+
+def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
+    """The `recursive` rule (module docstring) over trees whose siblings, in index order, were
+    drawn one after another without replacement from q = draft_logprobs (a prefix of the draws).
+
+    One pass in index order: node j is tried iff it is valid and its parent is the current node
+    (the children of an accepted node come later; the later siblings of one are then skipped).
+    """
+    if tree.draft_logprobs is None:
+        raise ValueError("recursive acceptance needs the draft's probabilities (draft_logprobs)")
+    if tree.acceptable is not None:
+        raise ValueError("recursive acceptance walks draft trees: it takes no `acceptable` mask")
+    b, t = tree.tokens.shape
+    rows = jnp.arange(b)
+    split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (t,)))(split[:, 0])  # one per node
+    p = jnp.exp(processed_logprobs(logits, sampling))  # target p at each node  [B, T, V]
+
+    def try_node(j, carry):  # carry: current node, p', q', whether q' is still to be read
+        cur, p_c, q_c, fresh = carry
+        q = jnp.where(fresh[:, None], jnp.exp(tree.draft_logprobs[:, j].astype(jnp.float32)), q_c)
+        x = tree.tokens[:, j]
+        tried = tree.valid[:, j] & (tree.parent[:, j] == cur)
+        ok = u[:, j] * q[rows, x] < p_c[rows, x]  # probability min(1, p'(x) / q'(x))
+        p_rej, q_rej = _after_rejection(p_c, q, x, p[rows, cur])
+        take, drop = tried & ok, tried & ~ok
+        p_c = jnp.where(take[:, None], p[:, j], jnp.where(drop[:, None], p_rej, p_c))
+        q_c = jnp.where(drop[:, None], q_rej, q_c)
+        return jnp.where(take, j, cur), p_c, q_c, (fresh | take) & ~drop
+
+    init = (jnp.zeros((b,), jnp.int32), p[:, 0], jnp.zeros_like(p[:, 0]), jnp.ones((b,), bool))
+    cur, p_c, _, _ = jax.lax.fori_loop(1, t, try_node, init)
+    # p' is the residual after rejected children, or p at a leaf (the bonus).
+    nxt = jax.vmap(categorical)(split[:, 1], jnp.log(p_c))
+    return AcceptResult(_path_to(tree, cur), tree.depth[rows, cur].astype(jnp.int32), nxt)
 
 
 def accept_typical(tree: DraftTree, logits, keys, sampling: SamplingConfig,
@@ -150,6 +206,8 @@ def accept(tree: DraftTree, logits, keys, sampling: SamplingConfig, rule: str = 
         return accept_match(tree, logits, keys, sampling)
     if rule == "residual":
         return accept_residual(tree, logits, keys, sampling)
+    if rule == "recursive":
+        return accept_recursive(tree, logits, keys, sampling)
     if rule == "typical":
         return accept_typical(tree, logits, keys, sampling, posterior_threshold, posterior_alpha)
-    raise ValueError(f"unknown acceptance rule '{rule}' (match, residual or typical)")
+    raise ValueError(f"unknown acceptance rule '{rule}' (match, residual, recursive or typical)")

@@ -124,6 +124,10 @@ def _add_method_args(p):
                         "draft probability is at least this (0: all; default: the heads' "
                         "decoding_defaults, else 0); steps with unlikely drafts run narrower, "
                         "down to a plain decode step")
+    e.add_argument("--acceptance", choices=("match", "recursive"), default=None,
+                   help="eagle2, eagle3, when sampling: match (the target's sample must equal a "
+                        "top-k child; default) or recursive (children drawn without replacement "
+                        "from the draft, recursive rejection sampling; no lookup graft)")
     r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
     r.add_argument("--redrafter-num-beams", type=int, default=None,
                    help="beams drafted per step (default: the heads' recommendation, else 5)")
@@ -199,7 +203,8 @@ METHOD_FLAGS = ("max_draft_len", "draft_layers", "draft_model", "prompt_lookup_n
                 "max_matching_ngram_size", "min_matching_ngram_size", "lookup_tokens",
                 "lookup_width", "heads", "posterior_threshold", "posterior_alpha",
                 "eagle_total_tokens", "eagle_depth", "eagle_top_k", "eagle_draft_vocab",
-                "min_draft_prob", "redrafter_num_beams", "redrafter_draft_len_per_beam")
+                "min_draft_prob", "redrafter_num_beams", "redrafter_draft_len_per_beam",
+                "acceptance")
 
 
 def method_config_of(args):

@@ -92,6 +92,19 @@ def categorical(key, logits):
     return argmax_last(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
 
 
+def gumbel_top_k(key, logq, k: int):
+    """k distinct tokens drawn without replacement from softmax(logq) [V], in draw order, and
+    bool[k] `drawn`: which entries are real draws (finite logq).
+
+    The Gumbel-top-k trick: the order of logq plus Gumbel noise, largest first, is a sequence of
+    draws without replacement, so its first k are the first k draws (its first one is
+    `categorical`'s draw). Tokens with logq = -inf come after every finite one; they fill the
+    tail when fewer than k tokens can be drawn.
+    """
+    scores, tokens = jax.lax.top_k(jax.random.gumbel(key, logq.shape, logq.dtype) + logq, k)
+    return tokens.astype(jnp.int32), scores > -jnp.inf
+
+
 def kth_largest(x, k: int):
     """The k-th largest value along the last axis, shaped [..., 1].
 

@@ -9,8 +9,9 @@ the tokens a step did not emit), must match both by a chi-square test, which has
 catch a 2% per-cell bias (`test_the_chi_square_has_power`). Deliberately broken rules must fail
 it. End to end, every method samples through Engine.generate with 20480 seeds (Prompt-Lookup,
 Draft-Target with sampled and with greedy drafts, Medusa, EAGLE-1 trees, EAGLE-2 with and without
-the probability floor and the lookup graft, EAGLE-3, sampled ReDrafter beams), and each run
-again with its first draft emitted unchecked must fail.
+the probability floor and the lookup graft, EAGLE-3, sampled ReDrafter beams, EAGLE-2 and EAGLE-3
+with the `recursive` rule), and each run again with its first draft emitted unchecked must fail.
+The `recursive` rule itself is tested exactly in tests/test_accept_recursive.py.
 """
 
 from __future__ import annotations
@@ -90,14 +91,19 @@ def exact_first_two(p_table, sampling):
     return joint / joint.sum()
 
 
-def exact_second_third(p_table, sampling):
-    """float64[V, V]: the exact joint distribution of the second and third sampled tokens (the
-    first summed out): the third is a depth-2 draft or the bonus token after two accepted."""
+def exact_first_three(p_table, sampling):
+    """float64[V, V, V]: the exact joint distribution of the first three sampled tokens."""
     logp0 = np.asarray(processed_logprobs(p_table[0, 0, 0, 0], sampling), np.float64)
     logp1 = np.asarray(processed_logprobs(p_table[:, 0, 0, 1], sampling), np.float64)  # [x1, V]
     logp2 = np.asarray(processed_logprobs(p_table[:, :, 0, 2], sampling), np.float64)  # [x1, x2, V]
-    joint = (np.exp(logp0)[:, None, None] * np.exp(logp1)[:, :, None] * np.exp(logp2)).sum(0)
+    joint = np.exp(logp0)[:, None, None] * np.exp(logp1)[:, :, None] * np.exp(logp2)
     return joint / joint.sum()
+
+
+def exact_second_third(p_table, sampling):
+    """float64[V, V]: the exact joint distribution of the second and third sampled tokens (the
+    first summed out): the third is a depth-2 draft or the bonus token after two accepted."""
+    return exact_first_three(p_table, sampling).sum(0)
 
 
 def biased(joint, bias=BIAS):
@@ -109,10 +115,10 @@ def biased(joint, bias=BIAS):
 
 
 def chi2_pvalue(x1, x2, joint):
-    """Chi-square p-value of samples (x1, x2) against the distribution joint[V, V]; cells with
+    """Chi-square p-value of samples (x1, x2) against the distribution joint[V1, V2]; cells with
     expected count < 5 are pooled, and any sample in a zero-probability cell gives 0."""
-    n = len(x1)
-    counts = np.bincount(np.asarray(x1) * V + np.asarray(x2), minlength=V * V).astype(np.float64)
+    n, v = len(x1), joint.shape[1]
+    counts = np.bincount(np.asarray(x1) * v + np.asarray(x2), minlength=joint.size).astype(np.float64)
     expected = joint.ravel() * n
     if counts[expected == 0].sum() > 0:
         return 0.0
@@ -215,8 +221,14 @@ def sample_first_two(rule, make, tabs, sampling, seed):
 
 
 def sample_second_third(rule, make, tabs, sampling, seed):
-    """(x2, x3, n_accepted of the first step) for N runs of `rule`, stepping from PROMPT as a
-    decoder would: x3 comes from the first step when it accepted two drafts (the bonus token
+    """(x2, x3, n_accepted of the first step) of `sample_first_three`."""
+    _, x2, x3, n1 = sample_first_three(rule, make, tabs, sampling, seed)
+    return x2, x3, n1
+
+
+def sample_first_three(rule, make, tabs, sampling, seed):
+    """(x1, x2, x3, n_accepted of the first step) for N runs of `rule`, stepping from PROMPT as
+    a decoder would: x3 comes from the first step when it accepted two drafts (the bonus token
     after a depth-2 path), from the second when that one accepted a draft, else from a plain
     draw from p after PROMPT + x1 + x2 (the tables reach 3 tokens)."""
 
@@ -237,10 +249,9 @@ def sample_second_third(rule, make, tabs, sampling, seed):
         third1 = out1[:, 2] if out1.shape[1] > 2 else plain
         x3 = jnp.where(res1.n_accepted >= 2, third1,
                        jnp.where((res1.n_accepted == 0) & (res2.n_accepted >= 1), out2[:, 1], plain))
-        return x2, x3, res1.n_accepted
+        return x1, x2, x3, res1.n_accepted
 
-    x2, x3, n1 = run(jax.random.PRNGKey(seed), tabs)
-    return np.asarray(x2), np.asarray(x3), np.asarray(n1)
+    return tuple(np.asarray(a) for a in run(jax.random.PRNGKey(seed), tabs))
 
 
 def rule_residual(tree, logits, keys, sampling):
@@ -405,7 +416,7 @@ def _tree_proposer(method, target):
         p = ReDrafterProposer(CFG.hidden_size, V, num_beams=3, draft_len_per_beam=2,
                               greedy_search=False)
         return p, {"drafter": p.init_params(key, scale=3.0), "embed": target["embed"]}
-    if method == "eagle3":  # a random EAGLE-3 head through its checkpoint loader
+    if method.startswith("eagle3"):  # a random EAGLE-3 head through its checkpoint loader
         import tempfile
         from pathlib import Path
 
@@ -416,7 +427,8 @@ def _tree_proposer(method, target):
         model = Model(target, CFG, Path(tempfile.mkdtemp(prefix="sampling-eagle3-")), CFG.to_hf())
         random_head_checkpoint("eagle3", model, model.path / "eagle3")
         return make_proposer("eagle3", model, heads=str(model.path / "eagle3"), eagle_total_tokens=8,
-                             eagle_depth=2, eagle_top_k=3)
+                             eagle_depth=2, eagle_top_k=3,
+                             acceptance="recursive" if method.endswith("recursive") else "match")
     import dataclasses
 
     from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
@@ -428,6 +440,8 @@ def _tree_proposer(method, target):
     proposer = {"eagle": EagleTreeProposer(draft_cfg, eagle_choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))),
                 "eagle2-floor": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3,
                                                      min_prob=0.05),
+                "eagle2-recursive": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2,
+                                                         top_k=3, rule="recursive"),
                 }.get(method, EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3))
     return proposer, {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
                       "lm_head": lm_head_weight(target)}
@@ -436,7 +450,8 @@ def _tree_proposer(method, target):
 # (The EAGLE chain is left out: its one candidate from a random head is drawn by the target in
 # about 1% of runs at best, too few to test acceptance; it needs an oracle head.)
 @pytest.mark.parametrize("method", ["pld", "draft-residual", "draft-greedy", "medusa", "eagle",
-                                    "eagle2", "eagle2-floor", "eagle3", "redrafter", "eagle2-lookup"])
+                                    "eagle2", "eagle2-floor", "eagle3", "redrafter", "eagle2-lookup",
+                                    "eagle2-recursive", "eagle3-recursive"])
 def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     """Each method through Engine.generate, 20480 seeds: the first two tokens against the
     target's distribution; then, as a control, the same run with the first draft emitted
@@ -447,6 +462,9 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
         proposer, params = PromptLookupProposer(prompt_lookup_num_tokens=3), None
     elif method in ("medusa", "eagle", "eagle2", "eagle2-floor", "eagle3", "redrafter"):
         sampling = SamplingConfig(temperature=0.8, top_p=0.95)
+        proposer, params = _tree_proposer(method, target)
+    elif method.endswith("recursive"):  # children drawn from the draft's q, which top-k cuts
+        sampling = SamplingConfig(temperature=1.0, top_k=6)
         proposer, params = _tree_proposer(method, target)
     elif method == "eagle2-lookup":  # PROMPT ends in "1 5", seen before: lookup drafts "9 2"
         from specjax.proposers.lookup_graft import LookupGraftProposer

@@ -42,6 +42,7 @@ from specjax.cpu.top_k import top_log_probs
 from specjax.draft_tree import DraftTree, chain, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
+from specjax.sampling import processed_logprobs
 from specjax.spec_decode import ProposerBase
 
 # SafeAILab/EAGLE's default static tree (eagle/model/choices.py, "mc_sim_7b_63"): 25 nodes, depth 5.
@@ -86,6 +87,11 @@ class _EagleBase(ProposerBase):
 
     def __post_init__(self):
         check_confidence_floor(self.min_prob)
+        if self.rule not in ("match", "recursive"):
+            raise ValueError(f"EAGLE verifies with the match or recursive rule, not {self.rule!r}")
+        if self.rule == "recursive" and not isinstance(self, EagleDynamicProposer):
+            raise ValueError("recursive acceptance is built for EAGLE-2/3's dynamic trees "
+                             "(eagle2, eagle3), not for static trees or chains")
         if self.variant not in ("eagle", "eagle3"):
             raise ValueError(f"unknown EAGLE variant '{self.variant}' (eagle or eagle3)")
         if self.variant == "eagle3" and len(self.feature_layers) != 3:
@@ -125,6 +131,20 @@ class _EagleBase(ProposerBase):
         if "draft_ids" in params:  # lm_head holds only these target ids' rows
             ids = params["draft_ids"][ids]
         return logp, ids.astype(jnp.int32)
+
+    def _draft_logprobs(self, params, hidden, sampling):
+        """(log q [.., R] over the draft's vocabulary after the request's temperature/top-k/
+        top-p, the target ids of its R tokens): the distribution the `recursive` rule draws
+        children from."""
+        if self.variant == "eagle3":
+            from specjax.proposers.eagle3_net import draft_to_target, eagle3_logits
+
+            logits = eagle3_logits(params["net"], self.config, hidden)
+            ids = draft_to_target(params["net"], jnp.arange(logits.shape[-1]))
+        else:
+            logits = eagle_logits(hidden, params["lm_head"])
+            ids = params.get("draft_ids", jnp.arange(logits.shape[-1]))
+        return processed_logprobs(logits, sampling), ids.astype(jnp.int32)
 
     def make_pools(self, num_pages, page_size, dtype):
         return init_pages(self.config, num_pages, page_size, dtype)
@@ -292,6 +312,12 @@ class EagleDynamicProposer(_EagleBase):
         super().__post_init__()
         if self.top_k < 1 or self.depth < 0 or self.total_tokens < 2:
             raise ValueError("EAGLE-2 needs top_k >= 1, depth >= 0 and total_tokens >= 2")
+        if self.rule == "recursive" and (self.min_prob > 0 or
+                                         self.total_tokens - 1 > self.top_k * (self.depth + 1)):
+            raise ValueError(
+                "recursive acceptance verifies beams of top_k nodes per depth, without a "
+                f"probability floor: it needs total_tokens - 1 <= top_k * (depth + 1) = "
+                f"{self.top_k * (self.depth + 1)} and min_prob 0")
         if self.total_tokens - 1 > self.num_candidates:
             raise ValueError(
                 f"total_tokens={self.total_tokens} exceeds the {self.num_candidates} candidates "
@@ -315,26 +341,38 @@ class EagleDynamicProposer(_EagleBase):
         """Draft-cache slots past the committed pairs that one proposal writes."""
         return max(self.depth * self.top_k, 1)
 
+    @property
+    def levels(self) -> int:
+        """Depths of drafted nodes under the `recursive` rule: beams of top_k nodes each."""
+        return -(-(self.total_tokens - 1) // self.top_k)
+
+    def _run_beam(self, params, cache, beam, i):
+        """The draft over depth i's beam (`top_k` nodes: tokens, their parents' outputs, their
+        ancestors among the scratch slots), written into scratch slots i * top_k and on: the
+        nodes' outputs, the cache and the nodes' ancestor masks (themselves included)."""
+        b, k, j_all = beam["anc"].shape
+        col = i * k + jnp.arange(k)
+        mask = beam["anc"] | jnp.zeros((k, j_all), bool).at[jnp.arange(k), col].set(True)[None]
+        slots = cache.lengths[:, None] + col[None, :]
+        positions = jnp.broadcast_to((cache.lengths + i)[:, None], (b, k))
+        h, cache = self._forward(params, cache, beam["tok"], beam["feat"], positions, mask,
+                                 jnp.ones((b, k), bool), slots)
+        return h, cache, mask
+
     def propose(self, params, state: EagleState, ctx, keys, sampling):
+        if self.rule == "recursive" and not sampling.greedy:
+            return self._propose_sampled(params, state, ctx, keys, sampling)
         b, k = ctx.tokens.shape[0], self.top_k
         j_all = max(self.depth * k, 1)
         cache = state.cache(ctx.block_tables)
         rows = jnp.arange(b)[:, None]
         score0, tok0 = self._top(params, state.next_hidden, k)  # [B, K]
         frontier = dict(tok=tok0, score=score0, cand=jnp.broadcast_to(jnp.arange(k), (b, k)),
-                        feat=jnp.broadcast_to(state.next_hidden[:, None], (b, k) +
-                                              state.next_hidden.shape[1:]),
-                        anc=jnp.zeros((b, k, j_all), bool))
+                        **_first_beam(state, k, j_all))
 
         def expand(carry, i):
             cache, f = carry
-            col = i * k + jnp.arange(k)
-            own = jnp.zeros((k, j_all), bool).at[jnp.arange(k), col].set(True)
-            mask = f["anc"] | own[None]
-            slots = cache.lengths[:, None] + col[None, :]
-            positions = jnp.broadcast_to((cache.lengths + i)[:, None], (b, k))
-            h, cache = self._forward(params, cache, f["tok"], f["feat"], positions, mask,
-                                     jnp.ones((b, k), bool), slots)
+            h, cache, mask = self._run_beam(params, cache, f, i)
             logp, tok = self._top(params, h, k)  # [B, K, K]
             cs = (f["score"][:, :, None] + logp).reshape(b, k * k)
             tok = tok.reshape(b, k * k)
@@ -357,6 +395,102 @@ class EagleDynamicProposer(_EagleBase):
         tree = _select(c_tok, c_score, c_par, jnp.asarray(layer), self.total_tokens - 1,
                        self._pending(ctx), self.min_prob)
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+
+
+    def _propose_sampled(self, params, state: EagleState, ctx, keys, sampling):
+        """A tree for the `recursive` rule: each beam node's `top_k` children are drawn without
+        replacement from the draft's (processed) distribution q (Gumbel-top-k), and each depth
+        keeps the `top_k` children of highest perturbed path log-probability (stochastic beam
+        search's Gumbel values, Kool et al. 2019, in place of EAGLE-2's cumulative q). The
+        tree is the beams depth by depth, cut to `total_tokens - 1` nodes.
+
+        Why this shape is lossless: the rule needs a node's children to be draws in order whose
+        presence in the tree never depends on which token was drawn. A child's perturbed value
+        is independent of its token given the draws before it (the Gumbel-max property), so
+        choosing by those values (and cutting whole depths) keeps that; choosing by q of the
+        drawn tokens, or a global choice across depths, would not."""
+        b, k = ctx.tokens.shape[0], self.top_k
+        passes = self.levels - 1
+        j_all = max(passes * k, 1)
+        cache = state.cache(ctx.block_tables)
+        rows = jnp.arange(b)[:, None]
+        level_keys = jax.vmap(lambda key: jax.random.split(key, self.levels))(keys)
+
+        def children(key, logq, phi, g):
+            """Gumbel-top-k children of n nodes (logq [B, n, R], their path log-prob phi and
+            value g [B, n]): draft-vocabulary ids, path log-probs and values [B, n, k]."""
+            noise = jax.vmap(lambda kk: jax.random.gumbel(kk, logq.shape[1:]))(key)
+            perturbed = phi[..., None] + logq + noise
+            ids = jnp.clip(top_log_probs(perturbed, k)[1], 0, logq.shape[-1] - 1)  # in order
+            top = jnp.take_along_axis(perturbed, ids, -1)
+            return ids, phi[..., None] + jnp.take_along_axis(logq, ids, -1), \
+                _truncated_gumbel(g[..., None], top, top[..., :1])
+
+        def on_target_vocab(logq):  # log q [.., V] for the acceptance rule
+            full = jnp.full(logq.shape[:-1] + (vocab,), -jnp.inf, jnp.float32)
+            return full.at[..., to_target].set(logq)
+
+        logq0, to_target = self._draft_logprobs(params, state.next_hidden[:, None], sampling)
+        vocab = params["embed"].shape[0]
+        zero = jnp.zeros((b, 1), jnp.float32)
+        ids, phi, g = (x[:, 0] for x in children(level_keys[:, 0], logq0, zero, zero))
+        tok = to_target[ids]
+        first = dict(tok=tok, phi=phi, g=g, node=1 + jnp.broadcast_to(jnp.arange(k), (b, k)),
+                     **_first_beam(state, k, j_all))
+        level = dict(tok=tok, parent=jnp.zeros((b, k), jnp.int32), g=g,
+                     logq=jnp.broadcast_to(on_target_vocab(logq0), (b, k, vocab)))
+
+        def expand(carry, i):
+            cache, f = carry
+            h, cache, mask = self._run_beam(params, cache, f, i)
+            logq = self._draft_logprobs(params, h, sampling)[0]  # [B, K, R]
+            ids, phi, g = (x.reshape(b, k * k) for x in
+                           children(level_keys[:, i + 1], logq, f["phi"], f["g"]))
+            tok = to_target[ids]
+            best = jax.lax.top_k(g, k)[1]  # the next beam, siblings in their draw order
+            src = best // k
+            nf = dict(tok=tok[rows, best], phi=phi[rows, best], g=g[rows, best],
+                      node=1 + (i + 1) * k + jnp.broadcast_to(jnp.arange(k), (b, k)),
+                      feat=h[rows, src], anc=mask[rows, src])
+            out = dict(tok=nf["tok"], parent=f["node"][rows, src], g=nf["g"],
+                       logq=on_target_vocab(logq[rows, src]))
+            return (cache, nf), out
+
+        (cache, _), deeper = jax.lax.scan(expand, (cache, first), jnp.arange(passes))
+        n = self.total_tokens - 1
+        flat = lambda x, y: jnp.concatenate(  # noqa: E731  level-major, cut to n nodes
+            [x, jnp.moveaxis(y, 0, 1).reshape((b, -1) + x.shape[2:])], axis=1)[:, :n]
+        tok, parent, g, logq = (flat(level[key], deeper[key]) for key in
+                                ("tok", "parent", "g", "logq"))
+        depth = np.repeat(np.arange(1, self.levels + 1, dtype=np.int32), k)[:n]
+        valid = jnp.concatenate([jnp.ones((b, 1), bool), g > -jnp.inf], axis=1)
+        tree = DraftTree(
+            tokens=jnp.concatenate([self._pending(ctx)[:, None], jnp.where(g > -jnp.inf, tok, 0)],
+                                   axis=1),
+            parent=jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1),
+            depth=jnp.broadcast_to(jnp.asarray(np.concatenate([[0], depth])), (b, n + 1)),
+            valid=valid,
+            draft_logprobs=jnp.concatenate([jnp.zeros_like(logq[:, :1]), logq], axis=1))
+        return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+
+
+def _first_beam(state: EagleState, k: int, j_all: int) -> dict:
+    """What the first beam's k nodes share: the root's draft output, no scratch ancestors."""
+    b = state.next_hidden.shape[0]
+    return dict(feat=jnp.broadcast_to(state.next_hidden[:, None], (b, k) +
+                                      state.next_hidden.shape[1:]),
+                anc=jnp.zeros((b, k, j_all), bool))
+
+
+def _truncated_gumbel(g_parent, perturbed, z):
+    """Stochastic beam search's child values: Gumbels of location phi_child conditioned on
+    their maximum being the parent's value g_parent (Kool et al. 2019, appendix B, in its
+    numerically stable form); `perturbed` = phi_child + Gumbel noise, z = its maximum."""
+    drawn = perturbed > -jnp.inf  # else a token of no probability (or under such a parent)
+    x = jnp.where(drawn, perturbed - z, -1.0)  # <= 0
+    log1mexp = jnp.where(x > -0.693, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+    v = jnp.where(drawn, g_parent - perturbed + log1mexp, 0.0)
+    return jnp.where(drawn, g_parent - jax.nn.relu(v) - jnp.log1p(jnp.exp(-jnp.abs(v))), -jnp.inf)
 
 
 def _select(c_tok, c_score, c_par, c_depth, n: int, pending, min_prob: float = 0.0) -> DraftTree:
