@@ -93,16 +93,21 @@ def categorical(key, logits):
 
 
 def gumbel_top_k(key, logq, k: int):
-    """k distinct tokens drawn without replacement from softmax(logq) [V], in draw order, and
-    bool[k] `drawn`: which entries are real draws (finite logq).
+    """k distinct tokens drawn without replacement from softmax(logq) along the last axis, in
+    draw order, and their perturbed values (logq + Gumbel noise; -inf: not a real draw, when
+    fewer than k tokens have probability).
 
     The Gumbel-top-k trick: the order of logq plus Gumbel noise, largest first, is a sequence of
-    draws without replacement, so its first k are the first k draws (its first one is
-    `categorical`'s draw). Tokens with logq = -inf come after every finite one; they fill the
-    tail when fewer than k tokens can be drawn.
+    draws without replacement, so its first k are the first k draws (the first is
+    `categorical`'s draw with the same key). The values drive stochastic beam search (EAGLE's
+    trees for the `recursive` rule). The top k run on the CPU kernel where it runs (XLA:CPU's
+    top_k sorts the whole row).
     """
-    scores, tokens = jax.lax.top_k(jax.random.gumbel(key, logq.shape, logq.dtype) + logq, k)
-    return tokens.astype(jnp.int32), scores > -jnp.inf
+    from specjax.cpu.top_k import top_log_probs
+
+    perturbed = jax.random.gumbel(key, logq.shape, logq.dtype) + logq
+    tokens = jnp.clip(top_log_probs(perturbed, k)[1], 0, logq.shape[-1] - 1)
+    return tokens, jnp.take_along_axis(perturbed, tokens, -1)
 
 
 def kth_largest(x, k: int):

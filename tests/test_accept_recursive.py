@@ -63,9 +63,9 @@ def exact_without_replacement(q, k):
 
 
 def with_replacement(key, logq, k):
-    """Broken control (b): k independent draws from q, all marked drawn."""
+    """Broken control (b): k independent draws from q, all real draws."""
     tokens = jax.vmap(lambda i: categorical(jax.random.fold_in(key, i), logq))(jnp.arange(k))
-    return tokens.astype(jnp.int32), jnp.ones((k,), bool)
+    return tokens.astype(jnp.int32), jnp.zeros((k,), jnp.float32)
 
 
 def tree_maker(sampling, draw=gumbel_top_k):
@@ -78,8 +78,8 @@ def tree_maker(sampling, draw=gumbel_top_k):
         def children(prefix, salt, k):
             logq = processed_logprobs(lookup(q_table, prefix), sampling)
             salted = jax.vmap(lambda key: jax.random.fold_in(key, salt))(keys)
-            tokens, drawn = jax.vmap(lambda key, lq: draw(key, lq, k))(salted, logq)
-            return tokens, drawn, logq
+            tokens, values = jax.vmap(lambda key, lq: draw(key, lq, k))(salted, logq)
+            return tokens, values > -jnp.inf, logq
 
         n = ctx.shape[0]
         tokens, valid = [jnp.zeros((n,), jnp.int32)], [jnp.ones((n,), bool)]
@@ -136,14 +136,14 @@ def conditional_pvalue(tables, sampling, x1, x2, x3):
 
 def test_gumbel_top_k_draws_without_replacement():
     """The first three of k draws match the law of draws without replacement, the first is
-    `categorical`'s draw with the same key, and -inf tokens come last, marked not drawn."""
+    `categorical`'s draw with the same key, and -inf tokens come last, with -inf values."""
     rng = np.random.default_rng(3)
     full = jax.nn.log_softmax(jnp.asarray(1.2 * rng.standard_normal(V), jnp.float32))
     cut = full.at[jnp.asarray([1, 4, 6])].set(-jnp.inf)  # 5 finite tokens
     keys = keys_of(jax.random.PRNGKey(0), N)
     for logq, k in ((full, 3), (cut, 7)):
-        tokens, drawn = jax.jit(jax.vmap(lambda key, lq=logq, k=k: gumbel_top_k(key, lq, k)))(keys)
-        tokens, drawn = np.asarray(tokens), np.asarray(drawn)
+        tokens, values = jax.jit(jax.vmap(lambda key, lq=logq, k=k: gumbel_top_k(key, lq, k)))(keys)
+        tokens, drawn = np.asarray(tokens), np.isfinite(np.asarray(values))
         q = np.exp(np.asarray(logq, np.float64))
         exact = exact_without_replacement(q / q.sum(), 3)
         a, b, c = tokens[:, 0], tokens[:, 1], tokens[:, 2]
@@ -153,7 +153,8 @@ def test_gumbel_top_k_draws_without_replacement():
         finite = np.isfinite(np.asarray(logq))
         assert (drawn == (np.arange(k) < finite.sum())).all()
         assert finite[tokens[:, :finite.sum()]].all()
-        assert (np.diff(np.sort(tokens, axis=1), axis=1) > 0).all()  # distinct
+        real = tokens[:, :finite.sum()]
+        assert (np.diff(np.sort(real, axis=1), axis=1) > 0).all()  # distinct draws
     first = jax.jit(jax.vmap(lambda key: categorical(key, full)))(keys)
     assert (np.asarray(first) == np.asarray(jax.jit(jax.vmap(lambda key: gumbel_top_k(key, full, 1)[0][0]))(keys))).all()
 

@@ -42,7 +42,7 @@ from specjax.cpu.top_k import top_log_probs
 from specjax.draft_tree import DraftTree, chain, check_confidence_floor, reaches_floor, static_tree
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
-from specjax.sampling import processed_logprobs
+from specjax.sampling import gumbel_top_k, processed_logprobs
 from specjax.spec_decode import ProposerBase
 
 # SafeAILab/EAGLE's default static tree (eagle/model/choices.py, "mc_sim_7b_63"): 25 nodes, depth 5.
@@ -419,10 +419,8 @@ class EagleDynamicProposer(_EagleBase):
         def children(key, logq, phi, g):
             """Gumbel-top-k children of n nodes (logq [B, n, R], their path log-prob phi and
             value g [B, n]): draft-vocabulary ids, path log-probs and values [B, n, k]."""
-            noise = jax.vmap(lambda kk: jax.random.gumbel(kk, logq.shape[1:]))(key)
-            perturbed = phi[..., None] + logq + noise
-            ids = jnp.clip(top_log_probs(perturbed, k)[1], 0, logq.shape[-1] - 1)  # in order
-            top = jnp.take_along_axis(perturbed, ids, -1)
+            ids, top = jax.vmap(lambda kk, lq: gumbel_top_k(kk, lq, k))(key, logq)
+            top = phi[..., None] + top  # perturbed path log-probs, the largest first
             return ids, phi[..., None] + jnp.take_along_axis(logq, ids, -1), \
                 _truncated_gumbel(g[..., None], top, top[..., :1])
 
