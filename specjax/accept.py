@@ -153,6 +153,9 @@ def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
 
     One pass in index order: node j is tried iff it is valid and its parent is the current node
     (the children of an accepted node come later; the later siblings of one are then skipped).
+    A sibling whose q row differs from the one its earlier siblings were drawn from starts a new
+    group of draws, tried from its own q against the residual p' left so far: a deterministic
+    candidate (the lookup graft's, q one-hot) tried after the drafted ones is such a group.
     """
     if tree.draft_logprobs is None:
         raise ValueError("recursive acceptance needs the draft's probabilities (draft_logprobs)")
@@ -164,9 +167,12 @@ def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
     u = jax.vmap(lambda k: jax.random.uniform(k, (t,)))(split[:, 0])  # one per node
     p = jnp.exp(processed_logprobs(logits, sampling))  # target p at each node  [B, T, V]
 
-    def try_node(j, carry):  # carry: current node, p', q', whether q' is still to be read
-        cur, p_c, q_c, fresh = carry
-        q = jnp.where(fresh[:, None], jnp.exp(tree.draft_logprobs[:, j].astype(jnp.float32)), q_c)
+    logq = tree.draft_logprobs
+
+    def try_node(j, carry):  # carry: current node, p', q', the node q' was read from, fresh
+        cur, p_c, q_c, src, fresh = carry
+        new = fresh | jnp.any(logq[:, j] != logq[rows, src], axis=-1)  # a new group of draws
+        q = jnp.where(new[:, None], jnp.exp(logq[:, j].astype(jnp.float32)), q_c)
         x = tree.tokens[:, j]
         tried = tree.valid[:, j] & (tree.parent[:, j] == cur)
         ok = u[:, j] * q[rows, x] < p_c[rows, x]  # probability min(1, p'(x) / q'(x))
@@ -174,10 +180,12 @@ def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
         take, drop = tried & ok, tried & ~ok
         p_c = jnp.where(take[:, None], p[:, j], jnp.where(drop[:, None], p_rej, p_c))
         q_c = jnp.where(drop[:, None], q_rej, q_c)
-        return jnp.where(take, j, cur), p_c, q_c, (fresh | take) & ~drop
+        src = jnp.where(drop & new, j, src)
+        return jnp.where(take, j, cur), p_c, q_c, src, jnp.where(tried, take, fresh)
 
-    init = (jnp.zeros((b,), jnp.int32), p[:, 0], jnp.zeros_like(p[:, 0]), jnp.ones((b,), bool))
-    cur, p_c, _, _ = jax.lax.fori_loop(1, t, try_node, init)
+    zero = jnp.zeros((b,), jnp.int32)
+    init = (zero, p[:, 0], jnp.zeros_like(p[:, 0]), zero, jnp.ones((b,), bool))
+    cur, p_c, *_ = jax.lax.fori_loop(1, t, try_node, init)
     # p' is the residual after rejected children, or p at a leaf (the bonus).
     nxt = jax.vmap(categorical)(split[:, 1], jnp.log(p_c))
     return AcceptResult(_path_to(tree, cur), tree.depth[rows, cur].astype(jnp.int32), nxt)

@@ -127,7 +127,7 @@ def _add_method_args(p):
     e.add_argument("--acceptance", choices=("match", "recursive"), default=None,
                    help="eagle2, eagle3, when sampling: match (the target's sample must equal a "
                         "top-k child; default) or recursive (children drawn without replacement "
-                        "from the draft, recursive rejection sampling; no lookup graft)")
+                        "from the draft, recursive rejection sampling)")
     r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
     r.add_argument("--redrafter-num-beams", type=int, default=None,
                    help="beams drafted per step (default: the heads' recommendation, else 5)")

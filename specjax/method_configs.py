@@ -97,7 +97,7 @@ class EagleConfig(_HeadMethod):
     (the same over EAGLE-3 heads). `eagle_draft_vocab` drafts from the N most frequent tokens
     (EAGLE-1/2); `min_draft_prob` verifies only nodes that likely. `acceptance` is the rule
     when sampling: `match` (top-k trees) or `recursive` (EAGLE-2/3: children drawn without
-    replacement from the draft, recursive rejection sampling; no lookup graft)."""
+    replacement from the draft, recursive rejection sampling)."""
 
     method: str = "eagle2"
     eagle_choices: object = None

@@ -67,7 +67,7 @@ def recommended(config, target: Model):
         return config
     fill = {k: v for k, v in heads_decoding_defaults(heads, config.method).items()
             if k in {f.name for f in dataclasses.fields(config)} and getattr(config, k) is None}
-    if config.no_lookup or getattr(config, "acceptance", "match") != "match":
+    if config.no_lookup:
         fill = {k: v for k, v in fill.items() if k not in ("lookup_tokens", "lookup_width",
                                                            "min_matching_ngram_size")}
     return dataclasses.replace(config, heads=heads, **fill)
@@ -100,9 +100,6 @@ def make_proposer(config, target: Model, **options):
         if config.no_lookup and config.lookup_tokens is not None:
             raise MethodError("`no_lookup` and `lookup_tokens` contradict each other")
         if config.lookup_tokens is not None:
-            if getattr(config, "acceptance", "match") != "match":
-                raise MethodError("the prompt-lookup graft (`lookup_tokens`) verifies with the "
-                                  "match rule: `acceptance` recursive takes none")
             return _grafted(config, target)
         if config.lookup_width is not None:
             raise MethodError("`lookup_width` applies with `lookup_tokens` (a grafted lookup)")

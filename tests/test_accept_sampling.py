@@ -10,7 +10,8 @@ catch a 2% per-cell bias (`test_the_chi_square_has_power`). Deliberately broken 
 it. End to end, every method samples through Engine.generate with 20480 seeds (Prompt-Lookup,
 Draft-Target with sampled and with greedy drafts, Medusa, EAGLE-1 trees, EAGLE-2 with and without
 the probability floor and the lookup graft, EAGLE-3, sampled ReDrafter beams, EAGLE-2 and EAGLE-3
-with the `recursive` rule), and each run again with its first draft emitted unchecked must fail.
+with the `recursive` rule, also with the graft), and each run again with its first draft emitted
+unchecked must fail.
 The `recursive` rule itself is tested exactly in tests/test_accept_recursive.py.
 """
 
@@ -451,7 +452,8 @@ def _tree_proposer(method, target):
 # about 1% of runs at best, too few to test acceptance; it needs an oracle head.)
 @pytest.mark.parametrize("method", ["pld", "draft-residual", "draft-greedy", "medusa", "eagle",
                                     "eagle2", "eagle2-floor", "eagle3", "redrafter", "eagle2-lookup",
-                                    "eagle2-recursive", "eagle3-recursive"])
+                                    "eagle2-recursive", "eagle3-recursive",
+                                    "eagle2-recursive-lookup"])
 def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     """Each method through Engine.generate, 20480 seeds: the first two tokens against the
     target's distribution; then, as a control, the same run with the first draft emitted
@@ -463,9 +465,13 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     elif method in ("medusa", "eagle", "eagle2", "eagle2-floor", "eagle3", "redrafter"):
         sampling = SamplingConfig(temperature=0.8, top_p=0.95)
         proposer, params = _tree_proposer(method, target)
-    elif method.endswith("recursive"):  # children drawn from the draft's q, which top-k cuts
+    elif "recursive" in method:  # children drawn from the draft's q, which top-k cuts
         sampling = SamplingConfig(temperature=1.0, top_k=6)
-        proposer, params = _tree_proposer(method, target)
+        proposer, params = _tree_proposer(method.removesuffix("-lookup"), target)
+        if method.endswith("lookup"):  # certain candidates tried after the drafted ones
+            from specjax.proposers.lookup_graft import LookupGraftProposer
+
+            proposer = LookupGraftProposer(proposer, PromptLookupProposer(2, 2, 1))
     elif method == "eagle2-lookup":  # PROMPT ends in "1 5", seen before: lookup drafts "9 2"
         from specjax.proposers.lookup_graft import LookupGraftProposer
 

@@ -7,7 +7,9 @@ in one target pass: the lookup chain is merged into the tree where the tree alre
 first tokens, and the rest hangs below as a chain, so acceptance follows whichever candidate the
 target agrees with further (SAM-Decoding, Hu et al. 2024, pairs retrieval with EAGLE the same
 way). Both drafters' candidates are deterministic, so the `match` rule keeps outputs exactly
-those of the target, greedy or sampled.
+those of the target, greedy or sampled. Under the `recursive` rule (EAGLE-2/3 trees sampled from
+the draft) the chain's nodes carry a one-hot q: each is a group of one certain draw, tried after
+the drafted siblings against the residual they leave, which keeps the rule exact.
 """
 
 from __future__ import annotations
@@ -63,10 +65,17 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
         base, jnp.pad(a, ((0, 0), (0, k))), jnp.where(in_chain, chain, other).astype(a.dtype))
     src = jnp.clip(shared[:, None] + j, 0, k - 1)
     acceptable = None if tree.acceptable is None else pick(tree.acceptable, True, False)
-    return DraftTree(tokens=pick(tree.tokens, chain_tokens[rows, src], 0),
+    tokens = pick(tree.tokens, chain_tokens[rows, src], 0)
+    logq = tree.draft_logprobs
+    if logq is not None:  # the chain's nodes are certain: q is one-hot at their token
+        one_hot = jnp.where(jnp.arange(logq.shape[-1]) == tokens[..., None], 0.0, -jnp.inf)
+        logq = jnp.where(base[..., None], jnp.pad(logq, ((0, 0), (0, k), (0, 0))),
+                         one_hot.astype(logq.dtype))
+    return DraftTree(tokens=tokens,
                      parent=pick(tree.parent, jnp.where(j == 0, cur[:, None], p - 1), -1),
                      depth=pick(tree.depth, shared[:, None] + j + 1, 0),
-                     valid=pick(tree.valid, True, False), acceptable=acceptable)
+                     valid=pick(tree.valid, True, False), draft_logprobs=logq,
+                     acceptable=acceptable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +98,16 @@ class LookupGraftProposer(ProposerBase):
     width: int | None = None
 
     def __post_init__(self):
-        if self.base.rule != "match" or self.base.rule_options:
+        if self.base.rule not in ("match", "recursive") or self.base.rule_options:
             raise ValueError("a prompt-lookup graft needs a proposer verified with the lossless "
-                             f"`match` rule, not {self.base.rule!r}")
+                             f"`match` or `recursive` rule, not {self.base.rule!r}")
         if self.width is not None and self.width < 2:
             raise ValueError(f"the graft's width must be at least 2 (the pending token and one "
                              f"drafted), got {self.width}")
 
     @property
     def rule(self) -> str:
-        return "match"
+        return self.base.rule
 
     @property
     def tree_size(self) -> int:
