@@ -84,6 +84,11 @@ class ProposerBase:
         """Keyword arguments of the acceptance rule (Medusa's typical acceptance)."""
         return {}
 
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """The sampling rules this kind of proposer drafts for (its `rule` is one of them)."""
+        return (self.rule,)
+
     # init() reads every prompt token's features (prefix reuse is then off)
     needs_prompt_features: bool = False
     # init() can start at ctx.prompt_start over a draft cache paged like the target's, whose

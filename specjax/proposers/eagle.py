@@ -75,6 +75,7 @@ class _EagleBase(ProposerBase):
     variant: str = "eagle"  # "eagle" (EAGLE-1/2 network) or "eagle3"
     feature_layers: tuple = ()  # target layers whose outputs EAGLE-3 fuses ((): final hidden)
     rule: str = "match"
+    rules = ("match",)  # the lossless rules its trees are drawn for
     needs_prompt_features: bool = True
     resumes_from_prefix_pairs: bool = True
     min_prob: float = 0.0  # verify only drafts of cumulative draft probability >= this
@@ -87,11 +88,9 @@ class _EagleBase(ProposerBase):
 
     def __post_init__(self):
         check_confidence_floor(self.min_prob)
-        if self.rule not in ("match", "recursive"):
-            raise ValueError(f"EAGLE verifies with the match or recursive rule, not {self.rule!r}")
-        if self.rule == "recursive" and not isinstance(self, EagleDynamicProposer):
-            raise ValueError("recursive acceptance is built for EAGLE-2/3's dynamic trees "
-                             "(eagle2, eagle3), not for static trees or chains")
+        if self.rule not in self.rules:
+            raise ValueError(f"this EAGLE proposer verifies with the {' or '.join(self.rules)} "
+                             f"rule, not {self.rule!r}")
         if self.variant not in ("eagle", "eagle3"):
             raise ValueError(f"unknown EAGLE variant '{self.variant}' (eagle or eagle3)")
         if self.variant == "eagle3" and len(self.feature_layers) != 3:
@@ -307,6 +306,7 @@ class EagleDynamicProposer(_EagleBase):
     depth: int = 5
     top_k: int = 8
     is_chain: bool = False
+    rules = ("match", "recursive")  # recursive: trees drawn from q when sampling
 
     def __post_init__(self):
         super().__post_init__()
