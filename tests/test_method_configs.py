@@ -69,3 +69,18 @@ def test_recommendations_fill_only_what_is_unset(tmp_path):
     assert recommended(RedrafterConfig(heads=str(heads)), None).redrafter_num_beams == 1
     assert recommended(MedusaConfig(heads=str(heads)), None) == MedusaConfig(heads=str(heads))
     assert recommended(PromptLookupConfig(), None) == PromptLookupConfig()
+
+
+def test_eagle_acceptance_defaults_to_recursive_where_it_applies():
+    """EAGLE-2/3 sample with `recursive` unless a probability floor or a tree larger than its
+    beams asks for `match`; EAGLE-1 keeps `match`; an unknown rule is refused."""
+    from specjax.methods import _default_rule
+
+    small = dict(eagle_total_tokens=4, eagle_depth=2, eagle_top_k=2)
+    assert _default_rule("eagle2", EagleConfig(**small)) == "recursive"
+    assert _default_rule("eagle3", EagleConfig(method="eagle3", **small)) == "recursive"
+    assert _default_rule("eagle2", EagleConfig(**small, min_draft_prob=0.3)) == "match"
+    assert _default_rule("eagle2", EagleConfig()) == "match"  # 63/5/8: 62 nodes > 8 x 6
+    assert _default_rule("eagle", EagleConfig(method="eagle")) == "match"
+    with pytest.raises(MethodError, match="`acceptance` is match or recursive"):
+        EagleConfig(acceptance="greedy")
