@@ -5,8 +5,9 @@ After each step `update` rewrites the accepted positions with the target's TRUE 
 verify pass's hidden states along the accepted path), so drafting always starts from exact
 features; the draft output of the last pair predicts the first drafted token of the next step.
 
-Three ways to draft from that state, all verified with the lossless `match` rule (the candidates
-are the draft's top tokens, a deterministic function of the context):
+Three ways to draft from that state, verified with the lossless `match` rule (the candidates are
+the draft's top tokens, a deterministic function of the context); when sampling, EAGLE-2/3 under
+the `recursive` rule draw their trees from the draft instead (`_propose_sampled`):
 - `EagleChainProposer`: the draft's top-1 token, `max_draft_len` times.
 - `EagleTreeProposer` (EAGLE-1): a static tree of top-k ranks (`eagle_choices`, Medusa's format),
   drafted depth by depth.
@@ -395,7 +396,6 @@ class EagleDynamicProposer(_EagleBase):
         tree = _select(c_tok, c_score, c_par, jnp.asarray(layer), self.total_tokens - 1,
                        self._pending(ctx), self.min_prob)
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
-
 
     def _propose_sampled(self, params, state: EagleState, ctx, keys, sampling):
         """A tree for the `recursive` rule: each beam node's `top_k` children are drawn without
