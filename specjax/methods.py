@@ -215,10 +215,10 @@ def _default_rule(method: str, options: EagleConfig) -> str:
     from specjax.proposers.eagle import EagleDynamicProposer as tree
 
     pick = lambda given, default: default if given is None else given  # noqa: E731
-    total = pick(options.eagle_total_tokens, tree.total_tokens)
-    top_k, depth = pick(options.eagle_top_k, tree.top_k), pick(options.eagle_depth, tree.depth)
-    fits = total - 1 <= top_k * (depth + 1)
-    return "recursive" if method != "eagle" and not options.min_draft_prob and fits else "match"
+    fits = tree.recursive_fits(pick(options.eagle_total_tokens, tree.total_tokens),
+                               pick(options.eagle_depth, tree.depth),
+                               pick(options.eagle_top_k, tree.top_k), options.min_draft_prob)
+    return "recursive" if method != "eagle" and fits else "match"
 
 
 def _eagle(target: Model, options: EagleConfig):

@@ -313,8 +313,8 @@ class EagleDynamicProposer(_EagleBase):
         super().__post_init__()
         if self.top_k < 1 or self.depth < 0 or self.total_tokens < 2:
             raise ValueError("EAGLE-2 needs top_k >= 1, depth >= 0 and total_tokens >= 2")
-        if self.rule == "recursive" and (self.min_prob > 0 or
-                                         self.total_tokens - 1 > self.top_k * (self.depth + 1)):
+        if self.rule == "recursive" and not self.recursive_fits(self.total_tokens, self.depth,
+                                                                self.top_k, self.min_prob):
             raise ValueError(
                 "recursive acceptance verifies beams of top_k nodes per depth, without a "
                 f"probability floor: it needs total_tokens - 1 <= top_k * (depth + 1) = "
@@ -341,6 +341,12 @@ class EagleDynamicProposer(_EagleBase):
     def draft_scratch(self) -> int:
         """Draft-cache slots past the committed pairs that one proposal writes."""
         return max(self.depth * self.top_k, 1)
+
+    @staticmethod
+    def recursive_fits(total_tokens: int, depth: int, top_k: int, min_prob: float) -> bool:
+        """Whether such a tree can be drawn for the `recursive` rule: its nodes fit beams of
+        top_k per depth, and no probability floor cuts it."""
+        return total_tokens - 1 <= top_k * (depth + 1) and not min_prob
 
     @property
     def levels(self) -> int:
