@@ -125,9 +125,10 @@ def _add_method_args(p):
                         "decoding_defaults, else 0); steps with unlikely drafts run narrower, "
                         "down to a plain decode step")
     e.add_argument("--acceptance", choices=("match", "recursive"), default=None,
-                   help="eagle2, eagle3, when sampling: recursive (children drawn without "
-                        "replacement from the draft, recursive rejection sampling; default) or "
-                        "match (the target's sample must equal a top-k child)")
+                   help="medusa and eagle methods, when sampling: recursive (children drawn "
+                        "without replacement from the draft, recursive rejection sampling; "
+                        "eagle2/3's default) or match (the target's sample must equal a top-k "
+                        "child)")
     r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
     r.add_argument("--redrafter-num-beams", type=int, default=None,
                    help="beams drafted per step (default: the heads' recommendation, else 5)")

@@ -48,6 +48,46 @@ def reaches_floor(log_prob, min_prob: float):
     return log_prob >= jnp.log(jnp.float32(min_prob))
 
 
+def check_recursive_tree(paths: Sequence[Sequence[int]], min_prob: float) -> None:
+    """Refuse a static tree (paths of ranks) the `recursive` rule cannot verify when its nodes
+    are drawn: a node's children must be its first draws (ranks 0, 1, .. with none missing), and
+    no probability floor may cut it (a drawn node's presence would depend on its token)."""
+    listed = {tuple(p) for p in paths}
+    for p in sorted(listed):
+        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in listed:
+            raise ValueError(f"recursive acceptance tries a node's children in draw order: tree "
+                             f"path {list(p)} needs {list(p[:-1] + (p[-1] - 1,))} too")
+    if min_prob:
+        raise ValueError("recursive acceptance verifies whole drawn trees: it takes no draft-"
+                         "confidence floor (min_prob)")
+
+
+def on_vocabulary(logq, ids, vocab: int):
+    """log q [..., vocab] over the target's vocabulary from log q [..., R] over a draft
+    vocabulary whose tokens are the target ids `ids` [R] (-inf on the others)."""
+    full = jnp.full(logq.shape[:-1] + (vocab,), -jnp.inf, jnp.float32)
+    return full.at[..., ids].set(logq)
+
+
+def drawn_static_tree(pending, parent, depth, tokens, drawn, draft_logprobs) -> DraftTree:
+    """A static tree (host arrays `parent`, `depth` of `static_tree`) whose nodes were drawn for
+    the `recursive` rule: tokens [B, T - 1] of nodes 1.., `drawn` [B, T - 1] whether each is a
+    real draw (a node under one that is not is dropped too), draft_logprobs [B, T - 1, V] the q
+    each was drawn from."""
+    b = pending.shape[0]
+    valid = jnp.concatenate([jnp.ones((b, 1), bool), drawn], axis=1)
+    for d in range(2, int(depth.max()) + 1):  # parents first: whole root paths only
+        nodes = np.flatnonzero(depth == d)
+        valid = valid.at[:, nodes].set(valid[:, nodes] & valid[:, parent[nodes]])
+    tokens = jnp.concatenate([pending[:, None], tokens], axis=1).astype(jnp.int32)
+    t = tokens.shape[1]
+    return DraftTree(tokens=jnp.where(valid, tokens, 0),
+                     parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
+                     depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid,
+                     draft_logprobs=jnp.concatenate(
+                         [jnp.zeros_like(draft_logprobs[:, :1]), draft_logprobs], axis=1))
+
+
 def chain(pending, drafts, num_valid, draft_logprobs=None) -> DraftTree:
     """A chain tree: the pending token [B] followed by drafts [B, K], of which the first
     num_valid[b] are real."""

@@ -62,6 +62,12 @@ class LookaheadConfig:
     lookahead_accept_window: bool = False
 
 
+def check_acceptance(rule: str | None) -> None:
+    """Refuse an `acceptance` rule that is not one of the lossless tree rules."""
+    if rule not in (None, "match", "recursive"):
+        raise MethodError(f"`acceptance` is match or recursive, not {rule!r}")
+
+
 @dataclass(frozen=True)
 class _HeadMethod:
     """What every trained-head method shares: the head checkpoint (`heads`; None: the shipped
@@ -81,13 +87,19 @@ class _HeadMethod:
 class MedusaConfig(_HeadMethod):
     """Medusa heads over `medusa_choices` (paths of top-k ranks, or a named tree; default
     mc_sim_7b_63 cut to the heads there are). `posterior_threshold` turns on typical acceptance
-    (lossy, sampling only); `min_draft_prob` verifies only nodes that likely."""
+    (lossy, sampling only); `min_draft_prob` verifies only nodes that likely. `acceptance` is
+    the lossless rule when sampling: `match` (top-k trees) or `recursive` (each head's ranks
+    drawn without replacement, recursive rejection sampling; no `min_draft_prob`)."""
 
     method: ClassVar[str] = "medusa"
     medusa_choices: object = None
     posterior_threshold: float | None = None
     posterior_alpha: float = 0.3
     min_draft_prob: float | None = None
+    acceptance: str | None = None  # None: match
+
+    def __post_init__(self):
+        check_acceptance(self.acceptance)
 
 
 @dataclass(frozen=True)
@@ -113,11 +125,7 @@ class EagleConfig(_HeadMethod):
     def __post_init__(self):
         if self.method not in ("eagle", "eagle2", "eagle3"):
             raise MethodError(f"EagleConfig.method is eagle, eagle2 or eagle3, not {self.method!r}")
-        if self.acceptance not in (None, "match", "recursive"):
-            raise MethodError(f"`acceptance` is match or recursive, not {self.acceptance!r}")
-        if self.acceptance == "recursive" and self.method == "eagle":
-            raise MethodError("`acceptance` recursive is built for eagle2 and eagle3 (dynamic "
-                              "trees), not eagle's static tree")
+        check_acceptance(self.acceptance)
 
 
 @dataclass(frozen=True)

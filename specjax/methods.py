@@ -56,7 +56,8 @@ def heads_decoding_defaults(heads, method: str) -> dict:
 def recommended(config, target: Model):
     """`config` with its heads found (an embedded model's shipped heads when `heads` is None)
     and the options left None set to what those heads recommend (`heads_decoding_defaults`);
-    `no_lookup` keeps a recommended prompt-lookup graft off."""
+    `no_lookup` keeps a recommended prompt-lookup graft off, and the `recursive` rule a
+    recommended `min_draft_prob` (a floor would bias it)."""
     if not isinstance(config, _HeadMethod):
         return config
     heads = config.heads
@@ -70,6 +71,8 @@ def recommended(config, target: Model):
     if config.no_lookup:
         fill = {k: v for k, v in fill.items() if k not in ("lookup_tokens", "lookup_width",
                                                            "min_matching_ngram_size")}
+    if getattr(config, "acceptance", None) == "recursive":  # it verifies whole drawn trees
+        fill.pop("min_draft_prob", None)
     return dataclasses.replace(config, heads=heads, **fill)
 
 
@@ -176,8 +179,10 @@ def _grafted(config, target: Model):
                                       config.min_matching_ngram_size or 1)
     except ValueError as e:
         raise MethodError(f"`lookup_tokens`: {e}") from None
-    base, params = _build(dataclasses.replace(config, lookup_tokens=None, lookup_width=None),
-                          target)
+    plain = dict(lookup_tokens=None, lookup_width=None)
+    if config.lookup_width is not None and getattr(config, "acceptance", "") is None:
+        plain["acceptance"] = "match"  # a width cuts trees by what they drafted
+    base, params = _build(dataclasses.replace(config, **plain), target)
     try:
         return LookupGraftProposer(base, lookup, width=config.lookup_width), params
     except ValueError as e:
@@ -318,12 +323,17 @@ def _medusa(target: Model, config: MedusaConfig):
         medusa_choices = [c for c in MEDUSA_TREES[medusa_choices.lower()] if len(c) <= num_heads]
     if medusa_choices is None:  # the default tree, cut to the heads there are
         medusa_choices = [c for c in MC_SIM_7B_63 if len(c) <= num_heads]
-    proposer = MedusaProposer(num_heads=num_heads, num_layers=int(meta["num_layers"]),
-                              vocab_size=target.config.vocab_size,
-                              medusa_choices=tuple(map(tuple, medusa_choices)),
-                              own_lm_head=bool(meta.get("own_lm_head", True)),
-                              posterior_threshold=config.posterior_threshold,
-                              posterior_alpha=config.posterior_alpha, min_prob=min_prob or 0.0)
+    try:
+        proposer = MedusaProposer(num_heads=num_heads, num_layers=int(meta["num_layers"]),
+                                  vocab_size=target.config.vocab_size,
+                                  medusa_choices=tuple(map(tuple, medusa_choices)),
+                                  own_lm_head=bool(meta.get("own_lm_head", True)),
+                                  posterior_threshold=config.posterior_threshold,
+                                  posterior_alpha=config.posterior_alpha,
+                                  min_prob=min_prob or 0.0,
+                                  acceptance=config.acceptance or "match")
+    except ValueError as e:
+        raise MethodError(str(e)) from None
     dtype = target.params["embed"].dtype
     variables = dict(variables)
     ids = variables.pop("draft_ids", None)

@@ -92,20 +92,26 @@ def categorical(key, logits):
     return argmax_last(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
 
 
-def gumbel_top_k(key, logq, k: int):
+def gumbel_top_k(keys, logq, k: int):
     """k distinct tokens drawn without replacement from softmax(logq) along the last axis, in
     draw order, and their perturbed values (logq + Gumbel noise; -inf: not a real draw, when
-    fewer than k tokens have probability).
+    fewer than k tokens have probability). keys: one PRNG key, or one per index of logq's
+    leading axes (a batch [B] of keys for logq [B, ...]), each drawing its rows' noise.
 
     The Gumbel-top-k trick: the order of logq plus Gumbel noise, largest first, is a sequence of
     draws without replacement, so its first k are the first k draws (the first is
     `categorical`'s draw with the same key). The values drive stochastic beam search (EAGLE's
-    trees for the `recursive` rule). The top k run on the CPU kernel where it runs (XLA:CPU's
-    top_k sorts the whole row).
+    trees for the `recursive` rule). The top k of all rows run in one call of the CPU kernel
+    where it runs (XLA:CPU's top_k sorts the whole row).
     """
     from specjax.cpu.top_k import top_log_probs
 
-    perturbed = jax.random.gumbel(key, logq.shape, logq.dtype) + logq
+    typed = jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    batch = keys.ndim - (0 if typed else 1)
+    noise = lambda key: jax.random.gumbel(key, logq.shape[batch:], logq.dtype)  # noqa: E731
+    for _ in range(batch):
+        noise = jax.vmap(noise)
+    perturbed = noise(keys) + logq
     tokens = jnp.clip(top_log_probs(perturbed, k)[1], 0, logq.shape[-1] - 1)
     return tokens, jnp.take_along_axis(perturbed, tokens, -1)
 

@@ -68,9 +68,15 @@ def with_replacement(key, logq, k):
     return tokens.astype(jnp.int32), jnp.zeros((k,), jnp.float32)
 
 
-def tree_maker(sampling, draw=gumbel_top_k):
+def tree_maker(sampling, draw=gumbel_top_k, certain=None):
     """Trees of K1 root children and K2 children each, siblings drawn by `draw` from the processed
-    draft q at their parent; nodes in index order, parents first, siblings in draw order."""
+    draft q at their parent; nodes in index order, parents first, siblings in draw order.
+
+    certain="last": one more root child, after the drawn ones, holding the target's most likely
+    token with a one-hot q (the lookup graft's kind of candidate: a group of its own, tried after
+    the drawn siblings), present only when no drawn root child holds that token, as the graft
+    shares it; "first": the same node placed before the drawn siblings (broken control: its
+    presence then selects which draws the drawn siblings are)."""
 
     def make(tabs, ctx, keys):
         p_table, q_table = tabs
@@ -93,9 +99,26 @@ def tree_maker(sampling, draw=gumbel_top_k):
                 valid.append(drawn[:, i] & valid[node])
                 logqs.append(logq)
                 prefixes.append(jnp.concatenate([prefixes[node], kids[:, i:i + 1]], 1))
+        parent, depth = PARENT, DEPTH_OF
+        if certain is not None:
+            tok = jnp.argmax(lookup(p_table, ctx), -1).astype(jnp.int32)
+            shared = jnp.any(jnp.stack(tokens[1:1 + K1], 1) == tok[:, None]
+                             & jnp.stack(valid[1:1 + K1], 1), axis=1)
+            tokens.append(tok)
+            valid.append(~shared)
+            one_hot = jnp.where(jnp.arange(V) == tok[:, None], 0.0, -jnp.inf)
+            logqs.append(one_hot)
+            prefixes.append(jnp.concatenate([ctx, tok[:, None]], 1))
+            parent, depth = np.append(PARENT, 0), np.append(DEPTH_OF, 1)
+            if certain == "first":  # moved before the drawn root children
+                order = np.r_[0, len(parent) - 1, 1:len(parent) - 1]
+                tokens, valid, logqs, prefixes = ([x[i] for i in order] for x in
+                                                  (tokens, valid, logqs, prefixes))
+                parent = np.r_[-1, 0, np.where(PARENT[1:] > 0, PARENT[1:] + 1, 0)]
+                depth = depth[order]
         logits = jnp.stack([lookup(p_table, prefix) for prefix in prefixes], 1)
-        tree = DraftTree(tokens=jnp.stack(tokens, 1), parent=jnp.broadcast_to(PARENT, (n, len(PARENT))),
-                         depth=jnp.broadcast_to(DEPTH_OF, (n, len(PARENT))), valid=jnp.stack(valid, 1),
+        tree = DraftTree(tokens=jnp.stack(tokens, 1), parent=jnp.broadcast_to(parent, (n, len(parent))),
+                         depth=jnp.broadcast_to(depth, (n, len(parent))), valid=jnp.stack(valid, 1),
                          draft_logprobs=jnp.stack(logqs, 1))
         return tree, logits
 
@@ -185,6 +208,20 @@ def test_broken_recursive_rules_fail(tables, broken, monkeypatch):
     assert max(p12, p123) < P_BROKEN, (p12, p123)
 
 
+@pytest.mark.parametrize("certain", ["last", "first"])
+def test_a_certain_candidate_after_drawn_siblings(tables, certain):
+    """A certain candidate (one-hot q) tried after the drawn siblings against the residual they
+    leave, present only when they do not hold its token (the lookup graft's case): exact; the
+    same node verified as one more draw from the siblings' q must fail."""
+    x1, x2, x3, n1 = sample_first_three(rule_recursive, tree_maker(S_PLAIN, certain=certain),
+                                        tables, S_PLAIN, seed=3)
+    p12, p123 = pvalues(tables, S_PLAIN, x1, x2, x3)
+    if certain == "last":
+        assert min(p12, p123) > P_OK, (p12, p123)
+    else:
+        assert max(p12, p123) < P_BROKEN, (p12, p123)
+
+
 def random_trees(rng):
     """5 trees of 7 nodes, random tokens and q: a chain, a bushy tree, one with invalid nodes, a
     lone root (the other nodes invalid), a star."""
@@ -268,3 +305,35 @@ def test_beam_values_are_gumbels_conditioned_on_their_parent():
     np.testing.assert_allclose(g.max(-1), np.asarray(g_parent)[:, 0], atol=1e-5)
     assert np.all(np.argsort(-g[:, :-1], -1) == np.argsort(-np.asarray(perturbed)[:, :-1], -1))
     assert np.all(g[:, -1] == -np.inf)
+
+
+def test_static_trees_drawn_for_recursive_must_hold_first_draws():
+    """Medusa and EAGLE-1 draw their static trees for `recursive` only where each node's
+    children are its first draws (ranks 0, 1, .. with none missing) and no floor or width cuts
+    the tree by what it drew; the refusals are one line each."""
+    import dataclasses
+
+    from specjax import ModelConfig
+    from specjax.proposers import PromptLookupProposer
+    from specjax.proposers.eagle import EagleTreeProposer
+    from specjax.proposers.lookup_graft import LookupGraftProposer
+    from specjax.proposers.medusa import MC_SIM_7B_63, MedusaProposer
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    medusa = MedusaProposer(vocab_size=V, medusa_choices=MC_SIM_7B_63, acceptance="recursive")
+    assert medusa.rule == "recursive" and medusa.rules == ("match", "recursive")
+    assert EagleTreeProposer(cfg, rule="recursive").rules == ("match", "recursive")
+    with pytest.raises(ValueError, match=r"tree path \[0, 2\] needs \[0, 1\] too"):
+        MedusaProposer(vocab_size=V, medusa_choices=((0, 0), (0, 2)), acceptance="recursive")
+    with pytest.raises(ValueError, match=r"tree path \[1\] needs \[0\] too"):
+        EagleTreeProposer(cfg, eagle_choices=((1,),), rule="recursive")
+    with pytest.raises(ValueError, match="no draft-confidence floor"):
+        dataclasses.replace(medusa, min_prob=0.3)
+    with pytest.raises(ValueError, match="typical acceptance .* replaces the recursive rule"):
+        dataclasses.replace(medusa, posterior_threshold=0.09)
+    with pytest.raises(ValueError, match="match or recursive rule, not 'residual'"):
+        dataclasses.replace(medusa, acceptance="residual")
+    with pytest.raises(ValueError, match="recursive rule verifies whole drawn trees: give no width"):
+        LookupGraftProposer(medusa, PromptLookupProposer(3, 2, 1), width=8)
+    LookupGraftProposer(dataclasses.replace(medusa, acceptance="match"), width=8)

@@ -403,11 +403,12 @@ def _tree_proposer(method, target):
     from specjax.model import lm_head_weight
 
     key = jax.random.PRNGKey(5)
-    if method == "medusa":
+    if method.startswith("medusa"):
         from specjax.proposers.medusa import MedusaProposer
 
         proposer = MedusaProposer(num_heads=2, vocab_size=V, own_lm_head=False,
-                                  medusa_choices=((0, 0), (0, 1), (1, 0), (2,), (3,)))
+                                  medusa_choices=((0, 0), (0, 1), (1, 0), (2,), (3,)),
+                                  acceptance="recursive" if "recursive" in method else "match")
         heads = proposer.init_params(key, CFG.hidden_size, lm_head_weight(target))
         heads = jax.tree_util.tree_map(lambda a: a + 0.3 * jax.random.normal(key, a.shape), heads)
         return proposer, {"heads": heads, "lm_head": lm_head_weight(target)}
@@ -438,7 +439,10 @@ def _tree_proposer(method, target):
     layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
     del layer["attn_norm"]
     fc = {"kernel": 0.3 * jax.random.normal(key, (2 * CFG.hidden_size, CFG.hidden_size))}
-    proposer = {"eagle": EagleTreeProposer(draft_cfg, eagle_choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))),
+    eagle_choices = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+    proposer = {"eagle": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices),
+                "eagle-recursive": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices,
+                                                     rule="recursive"),
                 "eagle2-floor": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3,
                                                      min_prob=0.05),
                 "eagle2-recursive": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2,
@@ -453,7 +457,8 @@ def _tree_proposer(method, target):
 @pytest.mark.parametrize("method", ["pld", "draft-residual", "draft-greedy", "medusa", "eagle",
                                     "eagle2", "eagle2-floor", "eagle3", "redrafter", "eagle2-lookup",
                                     "eagle2-recursive", "eagle3-recursive",
-                                    "eagle2-recursive-lookup"])
+                                    "eagle2-recursive-lookup", "medusa-recursive",
+                                    "eagle-recursive", "medusa-recursive-lookup"])
 def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     """Each method through Engine.generate, 20480 seeds: the first two tokens against the
     target's distribution; then, as a control, the same run with the first draft emitted

@@ -84,3 +84,18 @@ def test_eagle_acceptance_defaults_to_recursive_where_it_applies():
     assert _default_rule("eagle", EagleConfig(method="eagle")) == "match"
     with pytest.raises(MethodError, match="`acceptance` is match or recursive"):
         EagleConfig(acceptance="greedy")
+    with pytest.raises(MethodError, match="`acceptance` is match or recursive"):
+        MedusaConfig(acceptance="typical")
+
+
+def test_recursive_drops_a_recommended_floor(tmp_path):
+    """A recommended min_draft_prob would cut drawn trees by their tokens: `recursive` leaves it
+    unset (and a floor the user gives is refused by the proposer)."""
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "specjax.json").write_text(json.dumps({"decoding_defaults": {
+        "medusa": {"medusa_choices": [[0], [1], [0, 0]], "min_draft_prob": 0.3}}}))
+    kept = recommended(MedusaConfig(heads=str(heads)), target=None)
+    assert kept.min_draft_prob == 0.3 and kept.medusa_choices == [[0], [1], [0, 0]]
+    drawn = recommended(MedusaConfig(heads=str(heads), acceptance="recursive"), target=None)
+    assert drawn.min_draft_prob is None and drawn.medusa_choices == [[0], [1], [0, 0]]

@@ -72,11 +72,26 @@ SCRIPT = textwrap.dedent('''
                              "steps": [done[i].steps for i in range(len(PROMPTS))]}
         return eng, res
 
-    _, out["one_device"] = run(None)
+    # Sampling: drawn trees under `recursive` (EAGLE-2), top-p under `match` (Medusa), vanilla.
+    from specjax.sampling import SamplingConfig
+    SAMPLED = {"vanilla": (None, None, SamplingConfig(temperature=1.0)),
+               "medusa": (*METHODS["medusa"], SamplingConfig(temperature=0.8, top_p=0.9)),
+               "eagle2-recursive": (dataclasses.replace(METHODS["eagle2"][0], rule="recursive"),
+                                    METHODS["eagle2"][1], SamplingConfig(temperature=1.0))}
+
+    def sampled(eng):
+        return {name: eng.generate(PROMPTS, NEW, sampling=s, seeds=[7, 8, 9], eos_token_ids=(),
+                                   proposer=p, proposer_params=pp).token_ids
+                for name, (p, pp, s) in SAMPLED.items()}
+
+    eng, out["one_device"] = run(None)
+    out["sampled"] = {"one_device": sampled(eng)}
     out["meshes"] = {}
     for tp, dp in [(2, 1), (4, 1), (2, 2)]:
         eng, res = run(make_mesh(tp, dp))
         out["meshes"][f"tp{tp}_dp{dp}"] = res
+        if (tp, dp) == (2, 2):
+            out["sampled"]["tp2_dp2"] = sampled(eng)
         if (tp, dp) == (2, 2):  # the server's scheduler on the mesh (rows over "data" once 2+)
             from specjax.serving.scheduler import Scheduler
             served = {}
@@ -200,6 +215,17 @@ def test_greedy_outputs_match_one_device(runs, mesh):
     for name, r in res["meshes"][mesh].items():
         assert r["tokens"] == ref["vanilla"]["tokens"], (mesh, name)
         assert r["steps"] == ref[name]["steps"], (mesh, name)
+
+
+def test_sampled_outputs_match_one_device(runs):
+    """Sampled decoding on a tp=2, dp=2 mesh draws the same tokens as on one device for the
+    same seeds (vanilla; Medusa under `match` with top-p; EAGLE-2's drawn trees under
+    `recursive`), so the one-device lossless tests (test_accept_sampling.py) hold on a mesh."""
+    out, _ = runs
+    one, mesh = out["sampled"]["one_device"], out["sampled"]["tp2_dp2"]
+    assert mesh == one
+    greedy = out["one_device"]
+    assert one["vanilla"] != greedy["vanilla"]["tokens"]  # sampled, not greedy
 
 
 def test_the_server_scheduler_on_a_mesh_gives_the_one_device_answers(runs):

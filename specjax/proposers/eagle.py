@@ -40,7 +40,8 @@ from flax import struct
 from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
 from specjax.cpu.top_k import top_log_probs
-from specjax.draft_tree import DraftTree, chain, check_confidence_floor, reaches_floor, static_tree
+from specjax.draft_tree import (DraftTree, chain, check_confidence_floor, check_recursive_tree,
+                                drawn_static_tree, on_vocabulary, reaches_floor, static_tree)
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
 from specjax.sampling import gumbel_top_k, processed_logprobs
@@ -237,12 +238,15 @@ class EagleTreeProposer(_EagleBase):
 
     eagle_choices: tuple = EAGLE_DEFAULT_TREE
     is_chain: bool = False
+    rules = ("match", "recursive")  # recursive: trees drawn from q when sampling
 
     def __post_init__(self):
         super().__post_init__()
         from specjax.proposers.medusa import expand_choices
 
         object.__setattr__(self, "eagle_choices", expand_choices(self.eagle_choices))
+        if self.rule == "recursive":
+            check_recursive_tree(self.eagle_choices, self.min_prob)
 
     @property
     def tree_size(self) -> int:
@@ -262,7 +266,10 @@ class EagleTreeProposer(_EagleBase):
         return parent, depth, rank, anc
 
     def propose(self, params, state: EagleState, ctx, keys, sampling):
+        """Under the `recursive` rule when sampling, rank r is the r-th draw without replacement
+        from the draft's (processed) q after the parent, each parent with its own key."""
         parent, depth, rank, anc = self._topology()
+        drawn = self.rule == "recursive" and not sampling.greedy
         b, t = ctx.tokens.shape[0], self.tree_size
         max_rank = int(rank.max()) + 1
         cache = state.cache(ctx.block_tables)
@@ -270,23 +277,38 @@ class EagleTreeProposer(_EagleBase):
         hidden = jnp.zeros((b, t) + state.next_hidden.shape[1:], state.next_hidden.dtype)
         hidden = hidden.at[:, 0].set(state.next_hidden)  # root: the draft output predicting it
         score = jnp.zeros((b, t), jnp.float32)  # cumulative draft log-prob of each node's path
+        if drawn:  # which nodes are real draws, and the q each was drawn from
+            real = jnp.ones((b, t - 1), bool)
+            logq = jnp.zeros((b, t - 1, params["embed"].shape[0]), jnp.float32)
         # Node i (i >= 1) is drafted into scratch slot lengths + i - 1; depth d's nodes run once
         # their tokens are known, so their children can be read off their outputs.
         for d in range(1, int(depth.max()) + 1):
             nodes = np.flatnonzero(depth == d)
-            par = parent[nodes]
-            logp, top = self._top(params, hidden[:, par], max_rank)  # [B, n, R]
-            pick = (slice(None), np.arange(len(nodes)), rank[nodes])
-            tokens = tokens.at[:, nodes].set(top[pick])
-            score = score.at[:, nodes].set(score[:, par] + logp[pick])
+            parents, at = np.unique(parent[nodes], return_inverse=True)
+            pick = (slice(None), at, rank[nodes])
+            if drawn:
+                lq, to_target = self._draft_logprobs(params, hidden[:, parents], sampling)
+                ids, g = gumbel_top_k(jax.vmap(lambda k, d=d, n=len(parents): jax.random.split(
+                    jax.random.fold_in(k, d), n))(keys), lq, max_rank)  # [B, parents, R]
+                tokens = tokens.at[:, nodes].set(to_target[ids[pick]])
+                real = real.at[:, nodes - 1].set(g[pick] > -jnp.inf)
+                logq = logq.at[:, nodes - 1].set(
+                    on_vocabulary(lq, to_target, logq.shape[-1])[:, at])
+            else:
+                logp, top = self._top(params, hidden[:, parents], max_rank)  # [B, parents, R]
+                tokens = tokens.at[:, nodes].set(top[pick])
+                score = score.at[:, nodes].set(score[:, parent[nodes]] + logp[pick])
             if not np.isin(nodes, parent).any():
                 continue  # leaves: no children to draft from them
             slots = cache.lengths[:, None] + jnp.asarray(nodes - 1, jnp.int32)[None, :]
             mask = jnp.broadcast_to(jnp.asarray(anc[nodes][:, 1:]), (b, len(nodes), t - 1))
             positions = jnp.broadcast_to(cache.lengths[:, None] + d - 1, (b, len(nodes)))
-            h, cache = self._forward(params, cache, tokens[:, nodes], hidden[:, par], positions,
-                                     mask, jnp.ones((b, len(nodes)), bool), slots)
+            h, cache = self._forward(params, cache, tokens[:, nodes], hidden[:, parent[nodes]],
+                                     positions, mask, jnp.ones((b, len(nodes)), bool), slots)
             hidden = hidden.at[:, nodes].set(h)
+        state = state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+        if drawn:
+            return drawn_static_tree(tokens[:, 0], parent, depth, tokens[:, 1:], real, logq), state
         # A child never scores above its parent, so the kept nodes' paths are kept too.
         valid = jnp.ones((b, t), bool)
         if self.min_prob > 0:
@@ -294,7 +316,7 @@ class EagleTreeProposer(_EagleBase):
         tree = DraftTree(tokens=jnp.where(valid, tokens, 0),
                          parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
                          depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid)
-        return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+        return tree, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,14 +447,10 @@ class EagleDynamicProposer(_EagleBase):
         def children(key, logq, phi, g):
             """Gumbel-top-k children of n nodes (logq [B, n, R], their path log-prob phi and
             value g [B, n]): draft-vocabulary ids, path log-probs and values [B, n, k]."""
-            ids, top = jax.vmap(lambda kk, lq: gumbel_top_k(kk, lq, k))(key, logq)
+            ids, top = gumbel_top_k(key, logq, k)
             top = phi[..., None] + top  # perturbed path log-probs, the largest first
             return ids, phi[..., None] + jnp.take_along_axis(logq, ids, -1), \
                 _truncated_gumbel(g[..., None], top, top[..., :1])
-
-        def on_target_vocab(logq):  # log q [.., V] for the acceptance rule
-            full = jnp.full(logq.shape[:-1] + (vocab,), -jnp.inf, jnp.float32)
-            return full.at[..., to_target].set(logq)
 
         logq0, to_target = self._draft_logprobs(params, state.next_hidden[:, None], sampling)
         vocab = params["embed"].shape[0]
@@ -442,7 +460,7 @@ class EagleDynamicProposer(_EagleBase):
         first = dict(tok=tok, phi=phi, g=g, node=1 + jnp.broadcast_to(jnp.arange(k), (b, k)),
                      **_first_beam(state, k, j_all))
         level = dict(tok=tok, parent=jnp.zeros((b, k), jnp.int32), g=g,
-                     logq=jnp.broadcast_to(on_target_vocab(logq0), (b, k, vocab)))
+                     logq=jnp.broadcast_to(on_vocabulary(logq0, to_target, vocab), (b, k, vocab)))
 
         def expand(carry, i):
             cache, f = carry
@@ -457,7 +475,7 @@ class EagleDynamicProposer(_EagleBase):
                       node=1 + (i + 1) * k + jnp.broadcast_to(jnp.arange(k), (b, k)),
                       feat=h[rows, src], anc=mask[rows, src])
             out = dict(tok=nf["tok"], parent=f["node"][rows, src], g=nf["g"],
-                       logq=on_target_vocab(logq[rows, src]))
+                       logq=on_vocabulary(logq[rows, src], to_target, vocab))
             return (cache, nf), out
 
         (cache, _), deeper = jax.lax.scan(expand, (cache, first), jnp.arange(passes))

@@ -101,6 +101,9 @@ class LookupGraftProposer(ProposerBase):
         if self.base.rule not in ("match", "recursive") or self.base.rule_options:
             raise ValueError("a prompt-lookup graft needs a proposer verified with the lossless "
                              f"`match` or `recursive` rule, not {self.base.rule!r}")
+        if self.width is not None and self.base.rule == "recursive":
+            raise ValueError("a graft's width cuts the tree by what it drafted, and the "
+                             "recursive rule verifies whole drawn trees: give no width")
         if self.width is not None and self.width < 2:
             raise ValueError(f"the graft's width must be at least 2 (the pending token and one "
                              f"drafted), got {self.width}")

@@ -5,7 +5,10 @@ Head k (ResBlocks x + SiLU(W x + b), then a vocabulary projection: its own or th
 proposes the token k + 1 places after the pending one. `medusa_choices` lists the tree's nodes as
 paths of top-k ranks, one rank per head (FasterDecoding/Medusa's format); TensorRT-LLM also takes
 only the leaf paths, which `expand_choices` completes. Node i at depth d holds the rank[i]-th most
-likely token of head d - 1. Verification is lossless with the tree `match` rule.
+likely token of head d - 1. Verification is lossless with the tree `match` rule. When sampling
+under the `recursive` rule, rank r is instead head d - 1's r-th draw without replacement from
+its (processed) distribution q, the same draws under every parent of that depth: a node's
+children are then its first draws, made independently of how the walk reached it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.draft_tree import DraftTree, check_confidence_floor, reaches_floor, static_tree
+from specjax.draft_tree import (DraftTree, check_confidence_floor, check_recursive_tree,
+                                drawn_static_tree, on_vocabulary, reaches_floor, static_tree)
 from specjax.model import head_logits
+from specjax.sampling import gumbel_top_k, processed_logprobs
 from specjax.spec_decode import ProposerBase
 
 # FasterDecoding/Medusa's default tree for 7B models: 63 nodes, depth 4, ranks up to 9.
@@ -111,11 +116,17 @@ class MedusaProposer(ProposerBase):
     # Verify only nodes whose cumulative head probability (the product over the path of each
     # head's softmax) is at least this: see EAGLE's min_prob.
     min_prob: float = 0.0
+    # The lossless rule when sampling: "match" (top-k trees) or "recursive" (drawn trees).
+    acceptance: str = "match"
     is_chain: bool = False
 
     @property
     def rule(self) -> str:
-        return "match" if self.posterior_threshold is None else "typical"
+        return self.acceptance if self.posterior_threshold is None else "typical"
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        return ("match", "recursive") if self.posterior_threshold is None else ("typical",)
 
     @property
     def rule_options(self) -> dict:
@@ -131,6 +142,14 @@ class MedusaProposer(ProposerBase):
                 0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
             raise ValueError("posterior_threshold and posterior_alpha must be in (0, 1]")
         check_confidence_floor(self.min_prob)
+        if self.acceptance not in ("match", "recursive"):
+            raise ValueError(f"Medusa verifies with the match or recursive rule, not "
+                             f"{self.acceptance!r}")
+        if self.acceptance == "recursive":
+            if self.posterior_threshold is not None:
+                raise ValueError("typical acceptance (posterior_threshold) replaces the "
+                                 "recursive rule: give one of them")
+            check_recursive_tree(nodes, self.min_prob)
         if max(len(p) for p in nodes) > self.num_heads:
             raise ValueError(f"medusa_choices is {max(len(p) for p in nodes)} deep but there are "
                              f"only {self.num_heads} Medusa heads")
@@ -172,13 +191,23 @@ class MedusaProposer(ProposerBase):
         heads = MedusaHeads(used, self.num_layers, self.vocab_size, self.own_lm_head)
         logits = heads.apply(params["heads"], ctx.hidden.astype(jnp.float32),
                              params.get("lm_head"))  # [B, used, V]
+        head = jnp.clip(depth - 1, 0, used - 1)
+        pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
+        if self.rule == "recursive" and not sampling.greedy:
+            logq = processed_logprobs(logits, sampling)  # [B, used, V']
+            ids, drawn = gumbel_top_k(jax.vmap(lambda k: jax.random.split(k, used))(keys),
+                                      logq, self.top_k)  # [B, used, K] each head's draws
+            to_target = params.get("draft_ids")
+            if to_target is not None:
+                logq, ids = on_vocabulary(logq, to_target, self.vocab_size), to_target[ids]
+            pick = (slice(None), head[1:], rank[1:])
+            return drawn_static_tree(pending, *topology[:2], ids[pick], drawn[pick] > -jnp.inf,
+                                     logq[:, head[1:]]), state
         top_logits, top = jax.lax.top_k(logits, self.top_k)  # [B, used, K]
         top = top.astype(jnp.int32)
         if "draft_ids" in params:  # lm_head holds only these target ids' rows
             top = params["draft_ids"][top]
-        head = jnp.clip(depth - 1, 0, used - 1)
         drafted = top[:, head, rank]  # [B, T]
-        pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
         tokens = drafted.at[:, 0].set(pending)
         t = self.tree_size
         valid = jnp.ones((b, t), bool)
