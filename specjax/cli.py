@@ -123,12 +123,13 @@ def _add_method_args(p):
                    help="medusa and eagle methods: verify only drafted nodes whose cumulative "
                         "draft probability is at least this (0: all; default: the heads' "
                         "decoding_defaults, else 0); steps with unlikely drafts run narrower, "
-                        "down to a plain decode step")
+                        "down to a plain decode step. Top-k trees only (greedy, or sampling "
+                        "with --acceptance match)")
     e.add_argument("--acceptance", choices=("match", "recursive"), default=None,
                    help="medusa and eagle methods, when sampling: recursive (children drawn "
-                        "without replacement from the draft, recursive rejection sampling; "
-                        "eagle2/3's default) or match (the target's sample must equal a top-k "
-                        "child)")
+                        "without replacement from the draft, recursive rejection sampling; the "
+                        "default where the tree allows) or match (the target's sample must "
+                        "equal a top-k child)")
     r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
     r.add_argument("--redrafter-num-beams", type=int, default=None,
                    help="beams drafted per step (default: the heads' recommendation, else 5)")

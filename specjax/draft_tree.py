@@ -48,18 +48,21 @@ def reaches_floor(log_prob, min_prob: float):
     return log_prob >= jnp.log(jnp.float32(min_prob))
 
 
-def check_recursive_tree(paths: Sequence[Sequence[int]], min_prob: float) -> None:
-    """Refuse a static tree (paths of ranks) the `recursive` rule cannot verify when its nodes
-    are drawn: a node's children must be its first draws (ranks 0, 1, .. with none missing), and
-    no probability floor may cut it (a drawn node's presence would depend on its token)."""
+def skipped_draw(paths: Sequence[Sequence[int]]) -> tuple | None:
+    """The first path of a static tree (paths of ranks) whose elder sibling is missing, or None
+    when every node's children are ranks 0, 1, .. with none skipped: the trees that can be drawn
+    for the `recursive` rule, rank r standing for a node's r-th draw."""
     listed = {tuple(p) for p in paths}
-    for p in sorted(listed):
-        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in listed:
-            raise ValueError(f"recursive acceptance tries a node's children in draw order: tree "
-                             f"path {list(p)} needs {list(p[:-1] + (p[-1] - 1,))} too")
-    if min_prob:
-        raise ValueError("recursive acceptance verifies whole drawn trees: it takes no draft-"
-                         "confidence floor (min_prob)")
+    return next((p for p in sorted(listed)
+                 if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in listed), None)
+
+
+def check_recursive_tree(paths: Sequence[Sequence[int]]) -> None:
+    """Refuse a static tree the `recursive` rule cannot verify when its nodes are drawn."""
+    p = skipped_draw(paths)
+    if p is not None:
+        raise ValueError(f"recursive acceptance tries a node's children in draw order: tree "
+                         f"path {list(p)} needs {list(p[:-1] + (p[-1] - 1,))} too")
 
 
 def on_vocabulary(logq, ids, vocab: int):

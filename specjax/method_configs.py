@@ -87,16 +87,17 @@ class _HeadMethod:
 class MedusaConfig(_HeadMethod):
     """Medusa heads over `medusa_choices` (paths of top-k ranks, or a named tree; default
     mc_sim_7b_63 cut to the heads there are). `posterior_threshold` turns on typical acceptance
-    (lossy, sampling only); `min_draft_prob` verifies only nodes that likely. `acceptance` is
-    the lossless rule when sampling: `match` (top-k trees) or `recursive` (each head's ranks
-    drawn without replacement, recursive rejection sampling; no `min_draft_prob`)."""
+    (lossy, sampling only); `min_draft_prob` verifies only nodes that likely (top-k trees).
+    `acceptance` is the lossless rule when sampling: `match` (top-k trees) or `recursive` (each
+    head's ranks drawn without replacement, recursive rejection sampling; the default where
+    no node's children skip a rank)."""
 
     method: ClassVar[str] = "medusa"
     medusa_choices: object = None
     posterior_threshold: float | None = None
     posterior_alpha: float = 0.3
     min_draft_prob: float | None = None
-    acceptance: str | None = None  # None: match
+    acceptance: str | None = None  # None: recursive where the tree can be drawn, else match
 
     def __post_init__(self):
         check_acceptance(self.acceptance)
@@ -107,11 +108,11 @@ class EagleConfig(_HeadMethod):
     """EAGLE heads: `method` eagle (EAGLE-1, static `eagle_choices` tree), eagle2 (dynamic tree
     of `eagle_total_tokens` nodes, `eagle_depth`, `eagle_top_k`; default 63/5/8) or eagle3
     (the same over EAGLE-3 heads). `eagle_draft_vocab` drafts from the N most frequent tokens
-    (EAGLE-1/2); `min_draft_prob` verifies only nodes that likely. `acceptance` is the rule
-    when sampling: `match` (top-k trees; EAGLE-1's) or `recursive` (EAGLE-2/3's default:
-    children drawn without replacement from the draft, recursive rejection sampling, which
-    accepted more and ran faster in every sampled benchmark). Greedy decoding is the same
-    under both."""
+    (EAGLE-1/2); `min_draft_prob` verifies only nodes that likely (top-k trees). `acceptance`
+    is the rule when sampling: `match` (top-k trees) or `recursive` (children drawn without
+    replacement from the draft, recursive rejection sampling, which accepted more and ran
+    faster in every sampled benchmark; the default where the tree can be drawn for it). Greedy
+    decoding is the same under both."""
 
     method: str = "eagle2"
     eagle_choices: object = None
@@ -120,7 +121,7 @@ class EagleConfig(_HeadMethod):
     eagle_top_k: int | None = None
     eagle_draft_vocab: int | None = None
     min_draft_prob: float | None = None
-    acceptance: str | None = None  # None: recursive for eagle2/3 without a floor, else match
+    acceptance: str | None = None  # None: recursive where the tree can be drawn, else match
 
     def __post_init__(self):
         if self.method not in ("eagle", "eagle2", "eagle3"):

@@ -56,8 +56,7 @@ def heads_decoding_defaults(heads, method: str) -> dict:
 def recommended(config, target: Model):
     """`config` with its heads found (an embedded model's shipped heads when `heads` is None)
     and the options left None set to what those heads recommend (`heads_decoding_defaults`);
-    `no_lookup` keeps a recommended prompt-lookup graft off, and the `recursive` rule a
-    recommended `min_draft_prob` (a floor would bias it)."""
+    `no_lookup` keeps a recommended prompt-lookup graft off."""
     if not isinstance(config, _HeadMethod):
         return config
     heads = config.heads
@@ -71,8 +70,6 @@ def recommended(config, target: Model):
     if config.no_lookup:
         fill = {k: v for k, v in fill.items() if k not in ("lookup_tokens", "lookup_width",
                                                            "min_matching_ngram_size")}
-    if getattr(config, "acceptance", None) == "recursive":  # it verifies whole drawn trees
-        fill.pop("min_draft_prob", None)
     return dataclasses.replace(config, heads=heads, **fill)
 
 
@@ -213,17 +210,24 @@ def _check_floor(min_prob):
             raise MethodError(str(e)) from None
 
 
-def _default_rule(method: str, options: EagleConfig) -> str:
-    """`recursive` where it applies (it accepted more and ran faster in every sampled
-    benchmark): EAGLE-2/3 trees without a probability floor whose nodes fit its beams of
-    top_k per depth (`EagleDynamicProposer.levels`); else `match`."""
+def _default_rule(options, paths=None) -> str:
+    """The sampling rule when `acceptance` is left out: `recursive` wherever the tree can be
+    drawn for it (it accepted more than `match` and ran faster in the sampled benchmarks,
+    docs/benchmarks.md "Sampling"), else `match`. `paths`: a static tree's (Medusa's, EAGLE-1's),
+    drawable when no node's children skip a rank; without, the EAGLE-2/3 tree of `options` (an
+    EagleConfig), which must fit beams of top_k per depth (`EagleDynamicProposer.levels`).
+    Greedy decoding is the same under both rules."""
+    from specjax.draft_tree import skipped_draw
     from specjax.proposers.eagle import EagleDynamicProposer as tree
+    from specjax.proposers.medusa import expand_choices
 
+    if paths is not None:
+        return "match" if skipped_draw(expand_choices(paths)) else "recursive"
     pick = lambda given, default: default if given is None else given  # noqa: E731
     fits = tree.recursive_fits(pick(options.eagle_total_tokens, tree.total_tokens),
                                pick(options.eagle_depth, tree.depth),
-                               pick(options.eagle_top_k, tree.top_k), options.min_draft_prob)
-    return "recursive" if method != "eagle" and fits else "match"
+                               pick(options.eagle_top_k, tree.top_k))
+    return "recursive" if fits else "match"
 
 
 def _eagle(target: Model, options: EagleConfig):
@@ -231,7 +235,7 @@ def _eagle(target: Model, options: EagleConfig):
     EAGLE-3 (dynamic tree) over EAGLE-3 heads."""
     from specjax.cpu.draft_weights import draft_weights
     from specjax.model import lm_head_weight
-    from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
+    from specjax.proposers.eagle import EAGLE_DEFAULT_TREE, EagleDynamicProposer, EagleTreeProposer
 
     method, heads, draft_vocab = options.method, options.heads, options.eagle_draft_vocab
     _check_floor(options.min_draft_prob)
@@ -283,17 +287,16 @@ def _eagle(target: Model, options: EagleConfig):
     given = {k: v for k, v in tree.items() if v is not None}
     if options.min_draft_prob is not None:
         network["min_prob"] = float(options.min_draft_prob)
-    network["rule"] = options.acceptance or _default_rule(method, options)
     eagle_choices = options.eagle_choices
     try:
         if method == "eagle":
             if given:
                 raise MethodError("`eagle_total_tokens`/`eagle_depth`/`eagle_top_k` are "
                                   "EAGLE-2 options; EAGLE-1 takes `eagle_choices`")
-            if eagle_choices is None:
-                return EagleTreeProposer(config, **network), params
-            return EagleTreeProposer(config, eagle_choices=tuple(map(tuple, eagle_choices)),
-                                     **network), params
+            tree = EAGLE_DEFAULT_TREE if eagle_choices is None else tuple(map(tuple, eagle_choices))
+            network["rule"] = options.acceptance or _default_rule(options, tree)
+            return EagleTreeProposer(config, eagle_choices=tree, **network), params
+        network["rule"] = options.acceptance or _default_rule(options)
         if eagle_choices is not None:
             raise MethodError(f"`eagle_choices` is an EAGLE-1 option (eagle); {method} builds "
                               "its tree from `eagle_total_tokens`/`eagle_depth`/`eagle_top_k`")
@@ -330,8 +333,9 @@ def _medusa(target: Model, config: MedusaConfig):
                                   own_lm_head=bool(meta.get("own_lm_head", True)),
                                   posterior_threshold=config.posterior_threshold,
                                   posterior_alpha=config.posterior_alpha,
-                                  min_prob=min_prob or 0.0,
-                                  acceptance=config.acceptance or "match")
+                                  min_prob=min_prob or 0.0, acceptance=config.acceptance or (
+                                      "match" if config.posterior_threshold is not None
+                                      else _default_rule(config, medusa_choices)))
     except ValueError as e:
         raise MethodError(str(e)) from None
     dtype = target.params["embed"].dtype

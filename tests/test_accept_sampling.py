@@ -8,9 +8,10 @@ Each acceptance rule, run vectorized over 2**18 PRNG keys on those logits (later
 the tokens a step did not emit), must match both by a chi-square test, which has the power to
 catch a 2% per-cell bias (`test_the_chi_square_has_power`). Deliberately broken rules must fail
 it. End to end, every method samples through Engine.generate with 20480 seeds (Prompt-Lookup,
-Draft-Target with sampled and with greedy drafts, Medusa, EAGLE-1 trees, EAGLE-2 with and without
-the probability floor and the lookup graft, EAGLE-3, sampled ReDrafter beams, EAGLE-2 and EAGLE-3
-with the `recursive` rule, also with the graft), and each run again with its first draft emitted
+Draft-Target with sampled and with greedy drafts, Medusa, EAGLE-1 trees, the EAGLE chain (its
+head an exact copy of the target), EAGLE-2 with and without the probability floor and the lookup
+graft, EAGLE-3, sampled ReDrafter beams, and Medusa, EAGLE-1, EAGLE-2 and EAGLE-3 with the
+`recursive` rule, also with the graft), and each run again with its first draft emitted
 unchecked must fail.
 The `recursive` rule itself is tested exactly in tests/test_accept_recursive.py.
 """
@@ -452,19 +453,47 @@ def _tree_proposer(method, target):
                       "lm_head": lm_head_weight(target)}
 
 
-# (The EAGLE chain is left out: its one candidate from a random head is drawn by the target in
-# about 1% of runs at best, too few to test acceptance; it needs an oracle head.)
+def _eagle_chain_oracle(target):
+    """(target', EAGLE chain proposer, params) where the chain's head is the target itself, so it
+    drafts the target's argmax (a random head's would rarely be drawn, testing nothing).
+
+    target' is `target` with embedding rows of RMS 1, so its first layer's input norm (weights
+    1) is the identity (to float rounding) and the draft's first layer, which has none, computes
+    the same; the fc passes the token's embedding on and drops the feature. The draft reads
+    pair t (token t + 1) at position t, the target token t + 1 at t + 1: attention sees the
+    same offsets. Its output is the target's last hidden state before the final norm (weights
+    1), a positive multiple of it, so the argmax through the shared lm_head is the target's."""
+    from specjax.model import lm_head_weight
+    from specjax.proposers.eagle import EagleChainProposer
+
+    embed = target["embed"] / jnp.sqrt(jnp.mean(target["embed"] ** 2, -1, keepdims=True))
+    target = {**target, "embed": embed}
+    layers = [dict(layer) for layer in target["layers"]]
+    del layers[0]["attn_norm"]
+    d = CFG.hidden_size
+    fc = {"kernel": jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], 0)}
+    proposer = EagleChainProposer(CFG, max_draft_len=2)
+    return target, proposer, {"net": {"fc": fc, "layers": layers}, "embed": embed,
+                              "lm_head": lm_head_weight(target)}
+
+
 @pytest.mark.parametrize("method", ["pld", "draft-residual", "draft-greedy", "medusa", "eagle",
                                     "eagle2", "eagle2-floor", "eagle3", "redrafter", "eagle2-lookup",
                                     "eagle2-recursive", "eagle3-recursive",
                                     "eagle2-recursive-lookup", "medusa-recursive",
-                                    "eagle-recursive", "medusa-recursive-lookup"])
+                                    "eagle-recursive", "medusa-recursive-lookup",
+                                    "eagle-chain"])
 def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     """Each method through Engine.generate, 20480 seeds: the first two tokens against the
     target's distribution; then, as a control, the same run with the first draft emitted
     unchecked fails the test."""
     target, draft = models
-    if method == "pld":
+    p_table = tables[0]
+    if method == "eagle-chain":  # the chain's head is the target (`_eagle_chain_oracle`)
+        sampling = SamplingConfig(temperature=0.8, top_p=0.95)
+        target, proposer, params = _eagle_chain_oracle(target)
+        p_table = _continuation_logits(target, CFG)
+    elif method == "pld":
         sampling = SamplingConfig(temperature=0.8, top_k=8)
         proposer, params = PromptLookupProposer(prompt_lookup_num_tokens=3), None
     elif method in ("medusa", "eagle", "eagle2", "eagle2-floor", "eagle3", "redrafter"):
@@ -500,7 +529,7 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
         second += [t[1] for t in out.token_ids]
         steps += out.steps
     assert np.mean(np.asarray(steps) == 1) > 0.05  # drafts were accepted in one pass
-    joint = exact_first_two(tables[0], sampling)
+    joint = exact_first_two(p_table, sampling)
     assert chi2_pvalue(np.asarray(first), np.asarray(second), joint) > P_OK
     import specjax.spec_decode as spec_decode_mod
 

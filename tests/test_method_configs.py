@@ -71,31 +71,25 @@ def test_recommendations_fill_only_what_is_unset(tmp_path):
     assert recommended(PromptLookupConfig(), None) == PromptLookupConfig()
 
 
-def test_eagle_acceptance_defaults_to_recursive_where_it_applies():
-    """EAGLE-2/3 sample with `recursive` unless a probability floor or a tree larger than its
-    beams asks for `match`; EAGLE-1 keeps `match`; an unknown rule is refused."""
+def test_acceptance_defaults_to_recursive_where_it_applies():
+    """Trees sample with `recursive` where they can be drawn for it (a floor cuts only top-k
+    trees, so it does not matter): EAGLE-2/3 trees that fit its beams, static trees whose
+    nodes' children skip no rank; else `match`. An unknown rule is refused."""
     from specjax.methods import _default_rule
+    from specjax.proposers.eagle import EAGLE_DEFAULT_TREE
+    from specjax.proposers.medusa import MC_SIM_7B_63
 
     small = dict(eagle_total_tokens=4, eagle_depth=2, eagle_top_k=2)
-    assert _default_rule("eagle2", EagleConfig(**small)) == "recursive"
-    assert _default_rule("eagle3", EagleConfig(method="eagle3", **small)) == "recursive"
-    assert _default_rule("eagle2", EagleConfig(**small, min_draft_prob=0.3)) == "match"
-    assert _default_rule("eagle2", EagleConfig()) == "match"  # 63/5/8: 62 nodes > 8 x 6
-    assert _default_rule("eagle", EagleConfig(method="eagle")) == "match"
+    assert _default_rule(EagleConfig(**small)) == "recursive"
+    assert _default_rule(EagleConfig(method="eagle3", **small)) == "recursive"
+    assert _default_rule(EagleConfig(**small, min_draft_prob=0.3)) == "recursive"
+    assert _default_rule(EagleConfig()) == "match"  # 63/5/8: 62 nodes > 8 x 6
+    eagle1 = EagleConfig(method="eagle")
+    assert _default_rule(eagle1, EAGLE_DEFAULT_TREE) == "recursive"
+    assert _default_rule(eagle1, [[0], [2]]) == "match"  # (2,) skips rank 1
+    assert _default_rule(MedusaConfig(), MC_SIM_7B_63) == "recursive"
+    assert _default_rule(MedusaConfig(), [[0], [0, 1]]) == "match"
     with pytest.raises(MethodError, match="`acceptance` is match or recursive"):
         EagleConfig(acceptance="greedy")
     with pytest.raises(MethodError, match="`acceptance` is match or recursive"):
         MedusaConfig(acceptance="typical")
-
-
-def test_recursive_drops_a_recommended_floor(tmp_path):
-    """A recommended min_draft_prob would cut drawn trees by their tokens: `recursive` leaves it
-    unset (and a floor the user gives is refused by the proposer)."""
-    heads = tmp_path / "heads"
-    heads.mkdir()
-    (heads / "specjax.json").write_text(json.dumps({"decoding_defaults": {
-        "medusa": {"medusa_choices": [[0], [1], [0, 0]], "min_draft_prob": 0.3}}}))
-    kept = recommended(MedusaConfig(heads=str(heads)), target=None)
-    assert kept.min_draft_prob == 0.3 and kept.medusa_choices == [[0], [1], [0, 0]]
-    drawn = recommended(MedusaConfig(heads=str(heads), acceptance="recursive"), target=None)
-    assert drawn.min_draft_prob is None and drawn.medusa_choices == [[0], [1], [0, 0]]

@@ -19,7 +19,9 @@ the `recursive` rule draw their trees from the draft instead (`_propose_sampled`
 pass costs more the more tokens it holds (docs/benchmarks.md, "What one verify pass costs"), so
 a step whose drafts are unlikely to pass runs narrower (`verify_pruned`), down to a plain decode
 step, like Hugging Face's `assistant_confidence_threshold`. EAGLE-2 orders its nodes best
-first, so the kept ones are a prefix of the tree.
+first, so the kept ones are a prefix of the tree. The floor cuts top-k trees (greedy decoding,
+`match`); trees drawn for `recursive` are verified whole, since cutting a drawn node by its
+probability would make its presence depend on its token.
 
 Tree nodes drafted over several calls sit in draft-cache scratch slots after the committed pairs;
 each call attends to its ancestors there through a mask over those slots.
@@ -80,7 +82,7 @@ class _EagleBase(ProposerBase):
     rules = ("match",)  # the lossless rules its trees are drawn for
     needs_prompt_features: bool = True
     resumes_from_prefix_pairs: bool = True
-    min_prob: float = 0.0  # verify only drafts of cumulative draft probability >= this
+    min_prob: float = 0.0  # top-k trees: verify only drafts of cumulative probability >= this
 
     @property
     def likely_widths(self) -> tuple[int, ...]:
@@ -246,7 +248,7 @@ class EagleTreeProposer(_EagleBase):
 
         object.__setattr__(self, "eagle_choices", expand_choices(self.eagle_choices))
         if self.rule == "recursive":
-            check_recursive_tree(self.eagle_choices, self.min_prob)
+            check_recursive_tree(self.eagle_choices)
 
     @property
     def tree_size(self) -> int:
@@ -336,11 +338,11 @@ class EagleDynamicProposer(_EagleBase):
         if self.top_k < 1 or self.depth < 0 or self.total_tokens < 2:
             raise ValueError("EAGLE-2 needs top_k >= 1, depth >= 0 and total_tokens >= 2")
         if self.rule == "recursive" and not self.recursive_fits(self.total_tokens, self.depth,
-                                                                self.top_k, self.min_prob):
+                                                                self.top_k):
             raise ValueError(
-                "recursive acceptance verifies beams of top_k nodes per depth, without a "
-                f"probability floor: it needs total_tokens - 1 <= top_k * (depth + 1) = "
-                f"{self.top_k * (self.depth + 1)} and min_prob 0")
+                "recursive acceptance verifies beams of top_k nodes per depth: it needs "
+                f"total_tokens - 1 <= top_k * (depth + 1) = "
+                f"{self.top_k * (self.depth + 1)}")
         if self.total_tokens - 1 > self.num_candidates:
             raise ValueError(
                 f"total_tokens={self.total_tokens} exceeds the {self.num_candidates} candidates "
@@ -365,10 +367,10 @@ class EagleDynamicProposer(_EagleBase):
         return max(self.depth * self.top_k, 1)
 
     @staticmethod
-    def recursive_fits(total_tokens: int, depth: int, top_k: int, min_prob: float) -> bool:
+    def recursive_fits(total_tokens: int, depth: int, top_k: int) -> bool:
         """Whether such a tree can be drawn for the `recursive` rule: its nodes fit beams of
-        top_k per depth, and no probability floor cuts it."""
-        return total_tokens - 1 <= top_k * (depth + 1) and not min_prob
+        top_k per depth."""
+        return total_tokens - 1 <= top_k * (depth + 1)
 
     @property
     def levels(self) -> int:

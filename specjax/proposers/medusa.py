@@ -114,7 +114,7 @@ class MedusaProposer(ProposerBase):
     posterior_threshold: float | None = None
     posterior_alpha: float = 0.3
     # Verify only nodes whose cumulative head probability (the product over the path of each
-    # head's softmax) is at least this: see EAGLE's min_prob.
+    # head's softmax) is at least this, in top-k trees (greedy, `match`): see EAGLE's min_prob.
     min_prob: float = 0.0
     # The lossless rule when sampling: "match" (top-k trees) or "recursive" (drawn trees).
     acceptance: str = "match"
@@ -149,7 +149,7 @@ class MedusaProposer(ProposerBase):
             if self.posterior_threshold is not None:
                 raise ValueError("typical acceptance (posterior_threshold) replaces the "
                                  "recursive rule: give one of them")
-            check_recursive_tree(nodes, self.min_prob)
+            check_recursive_tree(nodes)
         if max(len(p) for p in nodes) > self.num_heads:
             raise ValueError(f"medusa_choices is {max(len(p) for p in nodes)} deep but there are "
                              f"only {self.num_heads} Medusa heads")
