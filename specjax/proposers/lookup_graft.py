@@ -7,9 +7,9 @@ in one target pass: the lookup chain is merged into the tree where the tree alre
 first tokens, and the rest hangs below as a chain, so acceptance follows whichever candidate the
 target agrees with further (SAM-Decoding, Hu et al. 2024, pairs retrieval with EAGLE the same
 way). Both drafters' candidates are deterministic, so the `match` rule keeps outputs exactly
-those of the target, greedy or sampled. Under the `recursive` rule (EAGLE-2/3 trees sampled from
-the draft) the chain's nodes carry a one-hot q: each is a group of one certain draw, tried after
-the drafted siblings against the residual they leave, which keeps the rule exact.
+those of the target, greedy or sampled. Under the `recursive` rule (Medusa and EAGLE trees drawn
+from the draft) the chain's nodes carry a one-hot q: each is a group of one certain draw, tried
+after the drafted siblings against the residual they leave, which keeps the rule exact.
 """
 
 from __future__ import annotations
