@@ -143,12 +143,14 @@ def test_methods_without_options_run_the_documented_defaults(smol):
     assert plain == base
     eagle, _ = make_proposer("eagle", smol)
     assert graft_of(eagle).eagle_choices == ((0,), (1,), (0, 0))
+    assert graft_of(eagle).rule == graft_of(eagle2).rule == "recursive"  # when sampling
     eagle3, _ = make_proposer("eagle3", smol)
     eagle3 = graft_of(eagle3)
     assert (eagle3.total_tokens, eagle3.depth, eagle3.top_k) == (4, 2, 2)
     medusa, _ = make_proposer("medusa", smol)
     medusa = graft_of(medusa)
-    assert medusa.medusa_choices == ((0,), (1,), (0, 0)) and medusa.min_prob == 0.3
+    assert medusa.medusa_choices == ((0,), (1,), (0, 0)) and medusa.min_prob == 0.0
+    assert medusa.rule == "recursive"
     redrafter, _ = make_proposer("redrafter", smol)
     redrafter = graft_of(redrafter)
     assert (redrafter.num_beams, redrafter.draft_len_per_beam) == (1, 3)
