@@ -72,6 +72,16 @@ def on_vocabulary(logq, ids, vocab: int):
     return full.at[..., ids].set(logq)
 
 
+def static_draft_tree(tokens, parent, depth, valid, draft_logprobs=None) -> DraftTree:
+    """Trees of one static shape (host arrays `parent`, `depth` of `static_tree`) over tokens
+    and valid [B, T]; invalid nodes hold token 0."""
+    b, t = tokens.shape
+    return DraftTree(tokens=jnp.where(valid, tokens, 0).astype(jnp.int32),
+                     parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
+                     depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid,
+                     draft_logprobs=draft_logprobs)
+
+
 def drawn_static_tree(pending, parent, depth, tokens, drawn, draft_logprobs) -> DraftTree:
     """A static tree (host arrays `parent`, `depth` of `static_tree`) whose nodes were drawn for
     the `recursive` rule: tokens [B, T - 1] of nodes 1.., `drawn` [B, T - 1] whether each is a
@@ -82,13 +92,9 @@ def drawn_static_tree(pending, parent, depth, tokens, drawn, draft_logprobs) -> 
     for d in range(2, int(depth.max()) + 1):  # parents first: whole root paths only
         nodes = np.flatnonzero(depth == d)
         valid = valid.at[:, nodes].set(valid[:, nodes] & valid[:, parent[nodes]])
-    tokens = jnp.concatenate([pending[:, None], tokens], axis=1).astype(jnp.int32)
-    t = tokens.shape[1]
-    return DraftTree(tokens=jnp.where(valid, tokens, 0),
-                     parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
-                     depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid,
-                     draft_logprobs=jnp.concatenate(
-                         [jnp.zeros_like(draft_logprobs[:, :1]), draft_logprobs], axis=1))
+    return static_draft_tree(
+        jnp.concatenate([pending[:, None], tokens], axis=1), parent, depth, valid,
+        jnp.concatenate([jnp.zeros_like(draft_logprobs[:, :1]), draft_logprobs], axis=1))
 
 
 def chain(pending, drafts, num_valid, draft_logprobs=None) -> DraftTree:

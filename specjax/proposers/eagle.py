@@ -43,7 +43,8 @@ from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
 from specjax.cpu.top_k import top_log_probs
 from specjax.draft_tree import (DraftTree, chain, check_confidence_floor, check_recursive_tree,
-                                drawn_static_tree, on_vocabulary, reaches_floor, static_tree)
+                                drawn_static_tree, on_vocabulary, reaches_floor,
+                                static_draft_tree, static_tree)
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
 from specjax.sampling import gumbel_top_k, processed_logprobs
@@ -279,9 +280,7 @@ class EagleTreeProposer(_EagleBase):
         hidden = jnp.zeros((b, t) + state.next_hidden.shape[1:], state.next_hidden.dtype)
         hidden = hidden.at[:, 0].set(state.next_hidden)  # root: the draft output predicting it
         score = jnp.zeros((b, t), jnp.float32)  # cumulative draft log-prob of each node's path
-        if drawn:  # which nodes are real draws, and the q each was drawn from
-            real = jnp.ones((b, t - 1), bool)
-            logq = jnp.zeros((b, t - 1, params["embed"].shape[0]), jnp.float32)
+        real, logq = [], []  # drawn trees, depth by depth: real draws, the q each was drawn from
         # Node i (i >= 1) is drafted into scratch slot lengths + i - 1; depth d's nodes run once
         # their tokens are known, so their children can be read off their outputs.
         for d in range(1, int(depth.max()) + 1):
@@ -293,9 +292,8 @@ class EagleTreeProposer(_EagleBase):
                 ids, g = gumbel_top_k(jax.vmap(lambda k, d=d, n=len(parents): jax.random.split(
                     jax.random.fold_in(k, d), n))(keys), lq, max_rank)  # [B, parents, R]
                 tokens = tokens.at[:, nodes].set(to_target[ids[pick]])
-                real = real.at[:, nodes - 1].set(g[pick] > -jnp.inf)
-                logq = logq.at[:, nodes - 1].set(
-                    on_vocabulary(lq, to_target, logq.shape[-1])[:, at])
+                real.append(g[pick] > -jnp.inf)
+                logq.append(on_vocabulary(lq, to_target, params["embed"].shape[0])[:, at])
             else:
                 logp, top = self._top(params, hidden[:, parents], max_rank)  # [B, parents, R]
                 tokens = tokens.at[:, nodes].set(top[pick])
@@ -309,16 +307,14 @@ class EagleTreeProposer(_EagleBase):
                                      positions, mask, jnp.ones((b, len(nodes)), bool), slots)
             hidden = hidden.at[:, nodes].set(h)
         state = state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
-        if drawn:
-            return drawn_static_tree(tokens[:, 0], parent, depth, tokens[:, 1:], real, logq), state
+        if drawn:  # depths are runs of consecutive nodes, in order
+            return drawn_static_tree(tokens[:, 0], parent, depth, tokens[:, 1:],
+                                     jnp.concatenate(real, 1), jnp.concatenate(logq, 1)), state
         # A child never scores above its parent, so the kept nodes' paths are kept too.
         valid = jnp.ones((b, t), bool)
         if self.min_prob > 0:
             valid = reaches_floor(score, self.min_prob)
-        tree = DraftTree(tokens=jnp.where(valid, tokens, 0),
-                         parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
-                         depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid)
-        return tree, state
+        return static_draft_tree(tokens, parent, depth, valid), state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.draft_tree import (DraftTree, check_confidence_floor, check_recursive_tree,
-                                drawn_static_tree, on_vocabulary, reaches_floor, static_tree)
+from specjax.draft_tree import (check_confidence_floor, check_recursive_tree, drawn_static_tree,
+                                on_vocabulary, reaches_floor, static_draft_tree, static_tree)
 from specjax.model import head_logits
 from specjax.sampling import gumbel_top_k, processed_logprobs
 from specjax.spec_decode import ProposerBase
@@ -220,9 +220,7 @@ class MedusaProposer(ProposerBase):
                 nodes = np.flatnonzero(dep_np == d)
                 score = score.at[:, nodes].add(score[:, par_np[nodes]])
             valid = reaches_floor(score, self.min_prob)
-        tree = DraftTree(tokens=jnp.where(valid, tokens, 0), parent=jnp.broadcast_to(parent, (b, t)),
-                         depth=jnp.broadcast_to(depth, (b, t)), valid=valid)
-        return tree, state
+        return static_draft_tree(tokens, *topology[:2], valid), state
 
     def update(self, params, state, ctx, result, active):
         return state
