@@ -171,6 +171,31 @@ def test_forward_cost_benchmark_on_a_tiny_model():
     assert "| 4 |" in mod.markdown(rows, 20)
 
 
+def test_draft_agreement_scores_tv_and_agreement():
+    """benchmarks/draft_agreement.py: q = p agrees everywhere with 1 - TV = 1; a draft over part
+    of the vocabulary scores sum(min(p, q)) there, and p's mass on that part."""
+    import importlib.util
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_agreement.py"
+    spec = importlib.util.spec_from_file_location("draft_agreement", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    logits = 3.0 * jax.random.normal(jax.random.PRNGKey(0), (6, 11))
+    same = np.asarray(mod.step_sums(logits, logits, jnp.arange(11), 1.0, 1.0))
+    np.testing.assert_allclose(same, [6, 6, 6], rtol=1e-5)
+    assert np.asarray(mod.step_sums(logits, logits, jnp.arange(11), 1.0, 2.0))[2] < 5.5
+    ids = jnp.array([4, 1, 7])
+    got = np.asarray(mod.step_sums(logits, jnp.zeros((6, 3)), ids, 0.5, 1.0))
+    p = np.asarray(jax.nn.softmax(logits / 0.5, -1))[:, np.asarray(ids)]
+    agree = np.sum(np.asarray(ids)[0] == np.argmax(np.asarray(logits), -1))  # q's argmax: ids[0]
+    np.testing.assert_allclose(got, [agree, p.sum(), np.minimum(p, 1 / 3).sum()], rtol=1e-5)
+
+
 def test_step_profile_attributes_ops_to_phases(tmp_path):
     """benchmarks/profile_step.py reads each op's phase from the optimized HLO's op_name."""
     import importlib.util
