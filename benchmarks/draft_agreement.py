@@ -35,19 +35,8 @@ from specjax.proposers.eagle_net import load_eagle_heads
 from training import losses
 from training.data import (DistillConfig, distill, read_prompt_file, sequences_of,
                            spread_over_categories)
-from training.features import length_bucket, teacher_forward
+from training.features import length_bucket, padded_sequences, teacher_forward
 from training.methods import EagleMethod
-
-
-def padded(chunk):
-    """(tokens, answer mask, valid) [B, L] of (tokens, mask) pairs, right-padded."""
-    n = length_bucket(max(len(t) for t, _ in chunk))
-    tok = np.zeros((len(chunk), n), np.int32)
-    mask = np.zeros((len(chunk), n), bool)
-    valid = np.zeros((len(chunk), n), bool)
-    for j, (t, m) in enumerate(chunk):
-        tok[j, :len(t)], mask[j, :len(t)], valid[j, :len(t)] = t, m, True
-    return jnp.asarray(tok), jnp.asarray(mask), jnp.asarray(valid)
 
 
 @jax.jit
@@ -66,18 +55,21 @@ def measure(model, draft, draft_ids, rows, steps: int, temperature: float,
             draft_scale: float = 1.0) -> list[dict]:
     """Per drafted step: mean agreement, target mass on the draft vocabulary, 1 - TV."""
     head = lm_head_weight(model.params).astype(jnp.float32)
+    draft_head = head[draft_ids]
     method = EagleMethod(steps=steps)
     sums, count = np.zeros((steps, 3)), np.zeros(steps)
     seqs = sequences_of(rows, 512)
     for s in range(0, len(seqs), 8):
-        tok, mask, valid = padded(seqs[s:s + 8])
+        chunk = seqs[s:s + 8]
+        batch = padded_sequences(chunk, length_bucket(max(len(t) for t, _ in chunk)))
+        tok, mask, valid = (jnp.asarray(batch[k]) for k in ("tokens", "mask", "valid"))
         final = teacher_forward(model.params, model.config, tok, valid)["final"]
         _, feats, _, pairs = losses.eagle_shift(tok, final, mask, valid)
         preds = method.draft(draft, model.params, model.config, tok, feats, valid)
         for i, pred in enumerate(preds):
             keep = np.nonzero(np.asarray(losses.shift_left(pairs, i) & valid))
             target = losses.shift_left(final, 1 + i)[keep]  # the feature whose token step i drafts
-            sums[i] += np.asarray(step_sums(target @ head.T, pred[keep] @ head[draft_ids].T,
+            sums[i] += np.asarray(step_sums(target @ head.T, pred[keep] @ draft_head.T,
                                             draft_ids, temperature, draft_scale))
             count[i] += len(keep[0])
     return [{"step": i + 1, "positions": int(count[i]), "agreement": sums[i, 0] / count[i],

@@ -167,6 +167,18 @@ def _grown(root: Path, old: dict, meta: dict, sequences) -> bool:
     return True
 
 
+def padded_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray]], t: int) -> dict[str, np.ndarray]:
+    """tokens int32[B, t], mask bool[B, t] (answer tokens) and valid bool[B, t] of (tokens,
+    answer mask) pairs, right-padded (or cut) to t."""
+    b = len(seqs)
+    out = {"tokens": np.zeros((b, t), np.int32), "mask": np.zeros((b, t), bool),
+           "valid": np.zeros((b, t), bool)}
+    for r, (tokens, mask) in enumerate(seqs):
+        n = min(len(tokens), t)
+        out["tokens"][r, :n], out["mask"][r, :n], out["valid"][r, :n] = tokens[:n], mask[:n], True
+    return out
+
+
 class FeatureStore:
     """Read-only view of a feature folder (memory-mapped shards)."""
 
@@ -208,17 +220,11 @@ class FeatureStore:
         """
         seqs = [self.sequence(int(i)) for i in ids]
         t = min(length_bucket(max(len(s["tokens"]) for s in seqs)), length_bucket(max_len))
-        b = len(ids)
-        out = {"tokens": np.zeros((b, t), np.int32), "mask": np.zeros((b, t), bool),
-               "valid": np.zeros((b, t), bool)}
+        out = padded_sequences([(s["tokens"][:max_len], s["mask"][:max_len]) for s in seqs], t)
         for name in self.spec.names:
-            out[name] = np.zeros((b, t, self.hidden_size), np.float32)
-        for r, s in enumerate(seqs):
-            n = min(len(s["tokens"]), max_len, t)
-            out["tokens"][r, :n] = s["tokens"][:n]
-            out["mask"][r, :n] = s["mask"][:n]
-            out["valid"][r, :n] = True
-            for name in self.spec.names:
+            out[name] = np.zeros((len(ids), t, self.hidden_size), np.float32)
+            for r, s in enumerate(seqs):
+                n = min(len(s["tokens"]), max_len, t)
                 out[name][r, :n] = s[name][:n]
         return out
 
