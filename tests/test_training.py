@@ -121,12 +121,15 @@ def test_cli_loss_weights_reach_the_eagle_loss(tmp_path, capsys):
     method = make_method("eagle", **dict(cfg.method_options))
     assert (method.p_w, method.v_w) == (0.5, 0.25)
     default = make_method("eagle", **dict(config_from_args(parser.parse_args(base)).method_options))
-    assert (default.p_w, default.v_w) == (0.1, 1.0)
+    assert (default.p_w, default.v_w, default.token_loss) == (0.1, 1.0, "kl")
+    lk = config_from_args(parser.parse_args(base + ["--token-loss", "lk"]))
+    assert make_method("eagle", **dict(lk.method_options)).token_loss == "lk"
     # both terms off, or a weight on a method without it: one-line errors, nothing written
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
     for method_name, extra, words in (
             ("eagle", ["--token-loss-weight", "0", "--feature-loss-weight", "0"], "both 0"),
-            ("medusa", ["--token-loss-weight", "1"], "--token-loss-weight does not apply")):
+            ("medusa", ["--token-loss-weight", "1"], "--token-loss-weight does not apply"),
+            ("eagle3", ["--token-loss", "lk"], "--token-loss does not apply")):
         rc = main(["train", "--method", method_name, "--prompts", str(tmp_path / "p.jsonl"),
                    "--out", str(tmp_path / "o"), *extra])
         err = capsys.readouterr().err.strip()
@@ -206,6 +209,55 @@ def test_eagle_loss_matches_torch():
     want_p = -torch.sum(torch.sum(Ms * target_p * logp, 2)) / (Ms.sum() + 1e-5)
     np.testing.assert_allclose(float(ms["ploss"]), want_p.item(), rtol=1e-5)
     np.testing.assert_allclose(float(ms["vloss"]), vloss.item(), rtol=1e-5)
+
+
+def test_eagle_lk_loss_is_minus_log_acceptance():
+    """token_loss="lk": ploss = -log sum_v min(p_v, q_v) (alpha = 1 - TV), averaged over the
+    mask; at a one-hot p it is the cross-entropy; trained under a capacity limit it reaches a
+    higher alpha than the KL term does (the LK paper's point)."""
+    rng = np.random.default_rng(2)
+    b, t, d, v = 2, 7, 5, 11
+    pred = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    target = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, t)) > 0.3)
+    p = np.asarray(jax.nn.softmax(target @ head.T, -1), np.float64)
+    q = np.asarray(jax.nn.softmax(pred @ head.T, -1), np.float64)
+    alpha = np.minimum(p, q).sum(-1)
+    m = np.asarray(mask, np.float64)
+    loss, metrics = eagle_loss(pred, target, head, mask, v_w=0.5, p_w=2.0, token_loss="lk")
+    want = -(m * np.log(alpha)).sum() / (m.sum() + 1e-5)
+    np.testing.assert_allclose(float(metrics["ploss"]), want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["alpha"]), (m * alpha).sum() / (m.sum() + 1e-5),
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(loss), 0.5 * float(metrics["vloss"]) + 2.0 * want, rtol=1e-5)
+    kl_metrics = eagle_loss(pred, target, head, mask)[1]  # same alpha and KL under either term
+    np.testing.assert_allclose(float(kl_metrics["alpha"]), float(metrics["alpha"]), rtol=1e-6)
+    np.testing.assert_allclose(float(kl_metrics["kl"]), float(metrics["kl"]), rtol=1e-6)
+    sharp = 1e3 * target  # p one-hot: -log q(argmax p), the cross-entropy
+    np.testing.assert_allclose(float(eagle_loss(pred, sharp, head, mask, token_loss="lk")[1]["ploss"]),
+                               float(eagle_loss(pred, sharp, head, mask)[1]["ploss"]), rtol=1e-4)
+    with pytest.raises(ValueError, match="unknown token loss 'tv'"):
+        eagle_loss(pred, target, head, mask, token_loss="tv")
+
+    # A draft of one parameter s (q = softmax(s * base)) fitted to a p it cannot match: head
+    # rows (base_v, log p_v), target feature (0, 1), predicted (s, 0). The LK term ends with
+    # the higher acceptance rate.
+    p1 = np.array([0.55, 0.25, 0.2, 1e-6, 1e-6, 1e-6, 1e-6, 1e-6])
+    base = np.array([3.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    head1 = jnp.asarray(np.stack([base, np.log(p1)], 1), jnp.float32)
+    target1, mask1 = jnp.asarray([[[0.0, 1.0]]]), jnp.ones((1, 1), bool)
+
+    def fitted(kind):
+        def loss_of(s):
+            pred1 = jnp.stack([s, 0.0])[None, None]
+            return eagle_loss(pred1, target1, head1, mask1, v_w=0.0, p_w=1.0, token_loss=kind)[0]
+        s = jnp.asarray(0.1)
+        for _ in range(300):
+            s = s - 0.1 * jax.grad(loss_of)(s)
+        return float(eagle_loss(jnp.stack([s, 0.0])[None, None], target1, head1, mask1)[1]["alpha"])
+
+    assert fitted("lk") > fitted("kl") + 0.05, (fitted("lk"), fitted("kl"))
 
 
 def test_eagle_draft_vocab_loss():

@@ -67,6 +67,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--token-loss-weight", type=float, default=None,
                    help="EAGLE: weight of the token cross-entropy against the target's "
                         "distribution (default 0.1)")
+    m.add_argument("--token-loss", choices=("kl", "lk"), default=None,
+                   help="EAGLE: the token term, kl (cross-entropy to the target's distribution, "
+                        "EAGLE's; default) or lk (-log of the acceptance rate sum min(p, q), "
+                        "the LK loss: for sampled decoding)")
     m.add_argument("--draft-steps", type=int, default=None,
                    help="EAGLE-3 (7) / EAGLE (1) training-time-test steps; ReDrafter drafted "
                         "tokens (5)")
@@ -116,7 +120,7 @@ def config_from_args(args):
                "noise_std": args.noise_std, "own_lm_head": True if args.own_lm_head else None,
                "steps": args.draft_steps, "draft_vocab_size": args.draft_vocab_size,
                "loss_positions": args.loss_positions, "v_w": args.feature_loss_weight,
-               "p_w": args.token_loss_weight,
+               "p_w": args.token_loss_weight, "token_loss": args.token_loss,
                "draft_vocab_loss": True if args.draft_vocab_loss else None}
     flags = {"steps": "--draft-steps", "v_w": "--feature-loss-weight", "p_w": "--token-loss-weight"}
     foreign = [flags.get(k, "--" + k.replace("_", "-")) for k, v in options.items()

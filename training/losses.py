@@ -13,6 +13,14 @@ not the hard token) under log_softmax(lm_head(predicted)); both averaged over lo
 (sum / (mask.sum() + 1e-5)). Input features get uniform noise (U[0,1) - 0.5) * 0.2 * 512 / n,
 n the sequence's length (`AddUniformNoise`, std 0.2).
 
+LK (Samarin et al. 2026, "LK Losses: Direct Acceptance Rate Optimization for Speculative
+Decoding", arXiv 2602.23881; its hyperparameter-free variant): the token term
+-log sum_v min(p_v, q_v), minus the log of the probability alpha = 1 - TV(p, q) that speculative
+sampling at temperature 1 accepts a token drawn from q. KL is only a proxy for alpha, and a draft
+of limited capacity that minimises KL need not maximise alpha; -log alpha's gradient is TV's
+scaled by 1 / alpha, so it trains where pure TV's vanishes, and at a one-hot p it is the
+cross-entropy.
+
 EAGLE-3 (SafeAILab/EAGLE eagle/traineagle3/cnets.py and main.py): a training-time test of 7
 steps; step i scores, at position t, the draft's log-probabilities over its reduced vocabulary
 against softmax of the target's logits of position t + 1 + i restricted to that vocabulary
@@ -32,6 +40,7 @@ import jax.numpy as jnp
 MEDUSA_DECAY = 0.8
 EAGLE_V_W, EAGLE_P_W = 1.0, 0.1
 EAGLE_NOISE_STD = 0.2
+TOKEN_LOSSES = ("kl", "lk")  # the token term: cross-entropy to p (EAGLE's), or -log alpha
 
 
 def _masked_mean(x, mask):
@@ -115,16 +124,20 @@ def smooth_l1(x, y, beta: float = 1.0):
 
 
 def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: float = EAGLE_P_W,
-               positions=None, ok=None):
+               positions=None, ok=None, token_loss: str = "kl"):
     """EAGLE loss of predicted features [B, T, D] against the target's next features [B, T, D].
 
     lm_head: the target's frozen [V, D] head; mask [B, T]: positions that count.
     positions / ok (int32[B, n], bool[B, n], from `sample_positions`): score the token terms
     (ploss, accuracy) at these positions only; the feature regression always covers every
     position (it is cheap, the vocabulary projections are not).
-    Returns (v_w * vloss + p_w * ploss, {"vloss", "ploss", "acc_k": [1] top-1 agreement of the
-    predicted token with the target's argmax}).
+    token_loss: "kl" (ploss is the cross-entropy to the target's distribution p) or "lk"
+    (ploss is -log alpha, alpha = sum_v min(p_v, q_v); module docstring).
+    Returns (v_w * vloss + p_w * ploss, {"vloss", "ploss", "kl": KL(p || q), "alpha": mean
+    alpha, "acc_k": [1] top-1 agreement of the predicted token with the target's argmax}).
     """
+    if token_loss not in TOKEN_LOSSES:
+        raise ValueError(f"unknown token loss '{token_loss}' ({' or '.join(TOKEN_LOSSES)})")
     m = mask.astype(jnp.float32)
     denom = jnp.sum(m) + 1e-5
     vloss = jnp.sum(m * jnp.mean(smooth_l1(predicted.astype(jnp.float32),
@@ -138,12 +151,17 @@ def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: fl
     target_p = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
     p_logits = jnp.einsum("btd,vd->btv", predicted, lm_head, preferred_element_type=jnp.float32)
     logp = jax.nn.log_softmax(p_logits, axis=-1)
-    ploss = -jnp.sum(m * jnp.sum(target_p * logp, axis=-1)) / denom
-    # ploss minus its floor (the target's entropy): the KL divergence the draft still has
+    ce = -jnp.sum(m * jnp.sum(target_p * logp, axis=-1)) / denom
+    # the cross-entropy minus its floor (the target's entropy): the KL the draft still has
     entropy = -jnp.sum(m * jnp.sum(target_p * jax.nn.log_softmax(t_logits, -1), axis=-1)) / denom
+    alpha = jnp.sum(jnp.minimum(target_p, jnp.exp(logp)), axis=-1)  # 1 - TV(p, q)  [B, T]
+    if token_loss == "lk":
+        ploss = -jnp.sum(m * jnp.log(jnp.maximum(alpha, 1e-6))) / denom
+    else:
+        ploss = ce
     acc = jnp.sum(m * (jnp.argmax(p_logits, -1) == jnp.argmax(t_logits, -1))) / denom
-    return v_w * vloss + p_w * ploss, {"vloss": vloss, "ploss": ploss, "kl": ploss - entropy,
-                                       "acc_k": acc[None]}
+    return v_w * vloss + p_w * ploss, {"vloss": vloss, "ploss": ploss, "kl": ce - entropy,
+                                       "alpha": jnp.sum(m * alpha) / denom, "acc_k": acc[None]}
 
 
 def uniform_feature_noise(key, features, lengths, std: float = EAGLE_NOISE_STD):

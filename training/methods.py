@@ -216,6 +216,7 @@ class EagleMethod(TrainMethod):
     noise_std: float = losses.EAGLE_NOISE_STD
     v_w: float = losses.EAGLE_V_W
     p_w: float = losses.EAGLE_P_W
+    token_loss: str = "kl"  # or "lk": -log of the acceptance rate sum_v min(p_v, q_v)
     loss_positions: int | None = None  # score the token loss at this many random positions
     # The token loss over the `draft_ids` rows of the head only (both distributions
     # renormalised there): what decoding drafts from, a sixth of the full head's cost.
@@ -273,7 +274,8 @@ class EagleMethod(TrainMethod):
                 pos, ok = losses.sample_positions(jax.random.fold_in(key, 1 + i), m,
                                                   self.loss_positions)
             step_loss, metrics = losses.eagle_loss(pred, losses.shift_left(batch["final"], 1 + i),
-                                                   head, m, self.v_w, self.p_w, pos, ok)
+                                                   head, m, self.v_w, self.p_w, pos, ok,
+                                                   self.token_loss)
             total = total + self.decay ** i * step_loss
             steps.append((step_loss, metrics))
         if len(steps) == 1:

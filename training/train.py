@@ -242,7 +242,7 @@ def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureSto
             row = {"step": step + 1, "loss": float(m["loss"]),
                    "grad_norm": float(m["grad_norm"]),
                    "acc": [float(a) for a in np.atleast_1d(m["acc_k"])]}
-            for k in ("vloss", "ploss", "kl"):
+            for k in ("vloss", "ploss", "kl", "alpha"):
                 if k in m:
                     row[k] = float(m[k])
             if "loss_k" in m:
