@@ -938,3 +938,31 @@ def test_features_extend_when_the_data_grows(setup, tmp_path):
     with pytest.raises(ValueError, match="num_sequences=7, not 3"):
         extract(tmp_path / "a", seqs[:3])
     assert len(FeatureStore(root)) == len(seqs)
+
+
+def test_ship_takes_decoding_defaults_as_json_or_a_file(tmp_path, capsys):
+    """`python -m training.ship` writes float16 heads with the recommended settings, given as
+    JSON text or as a file; unreadable JSON is a one-line error and writes nothing."""
+    import types
+
+    from specjax import ModelConfig, init_params
+    from specjax.heads import load_heads
+    from specjax.random_heads import random_head_checkpoint
+    from training.ship import main as ship
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8)
+    target = types.SimpleNamespace(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0)))
+    random_head_checkpoint("medusa", target, tmp_path / "run")
+    defaults = {"medusa": {"medusa_choices": [[0], [1]]}}
+    (tmp_path / "d.json").write_text(json.dumps(defaults))
+    for name, given in (("a", json.dumps(defaults)), ("b", str(tmp_path / "d.json"))):
+        ship([str(tmp_path / "run"), str(tmp_path / name), "--defaults", given])
+        meta, tensors = load_heads(tmp_path / name)
+        assert meta["decoding_defaults"] == defaults and meta["weights_dtype"] == "float16"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        ship([str(tmp_path / "run"), str(tmp_path / "c"), "--defaults", "{medusa"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--defaults is neither a JSON object nor a file" in err[-1]
+    assert not (tmp_path / "c").exists()

@@ -43,11 +43,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--defaults", default=None, help="JSON {method: {make_proposer option: value}}")
+    ap.add_argument("--defaults", default=None,
+                    help="JSON {method: {make_proposer option: value}}, or a file holding it")
     ap.add_argument("--card", default=None, help="a markdown file to ship as README.md")
     args = ap.parse_args(argv)
     card = Path(args.card).read_text() if args.card else None
-    print(ship_heads(args.src, args.dst, json.loads(args.defaults) if args.defaults else None, card))
+    defaults = None
+    if args.defaults:
+        text = Path(args.defaults).read_text() if Path(args.defaults).is_file() else args.defaults
+        try:
+            defaults = json.loads(text)
+        except json.JSONDecodeError as e:
+            ap.error(f"--defaults is neither a JSON object nor a file holding one ({e})")
+    print(ship_heads(args.src, args.dst, defaults, card))
 
 
 if __name__ == "__main__":
