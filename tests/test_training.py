@@ -954,15 +954,16 @@ def test_ship_takes_decoding_defaults_as_json_or_a_file(tmp_path, capsys):
                       num_heads=2, num_kv_heads=1, head_dim=8)
     target = types.SimpleNamespace(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0)))
     random_head_checkpoint("medusa", target, tmp_path / "run")
-    defaults = {"medusa": {"medusa_choices": [[0], [1]]}}
+    defaults = {"medusa": {"medusa_choices": [[0], [1], [0, 0], [0, 1]] * 20}}  # > 255 chars
     (tmp_path / "d.json").write_text(json.dumps(defaults))
     for name, given in (("a", json.dumps(defaults)), ("b", str(tmp_path / "d.json"))):
         ship([str(tmp_path / "run"), str(tmp_path / name), "--defaults", given])
         meta, tensors = load_heads(tmp_path / name)
         assert meta["decoding_defaults"] == defaults and meta["weights_dtype"] == "float16"
     capsys.readouterr()
-    with pytest.raises(SystemExit):
-        ship([str(tmp_path / "run"), str(tmp_path / "c"), "--defaults", "{medusa"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert "--defaults is neither a JSON object nor a file" in err[-1]
-    assert not (tmp_path / "c").exists()
+    for bad in ("{medusa", str(tmp_path / "missing.json"), "[1, 2]"):
+        with pytest.raises(SystemExit):
+            ship([str(tmp_path / "run"), str(tmp_path / "c"), "--defaults", bad])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "--defaults is neither a JSON object nor a file" in err[-1]
+        assert not (tmp_path / "c").exists()

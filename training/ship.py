@@ -50,11 +50,15 @@ def main(argv=None):
     card = Path(args.card).read_text() if args.card else None
     defaults = None
     if args.defaults:
-        text = Path(args.defaults).read_text() if Path(args.defaults).is_file() else args.defaults
         try:
-            defaults = json.loads(text)
-        except json.JSONDecodeError as e:
-            ap.error(f"--defaults is neither a JSON object nor a file holding one ({e})")
+            defaults = json.loads(args.defaults)
+        except json.JSONDecodeError:
+            try:
+                defaults = json.loads(Path(args.defaults).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                ap.error(f"--defaults is neither a JSON object nor a file holding one ({e})")
+        if not isinstance(defaults, dict):
+            ap.error("--defaults is neither a JSON object nor a file holding one")
     print(ship_heads(args.src, args.dst, defaults, card))
 
 
