@@ -11,6 +11,7 @@ import sys
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `train` sub-command on an argparse subparsers object."""
+    from training.losses import TOKEN_LOSSES
     from training.methods import METHODS
 
     p = subparsers.add_parser(
@@ -67,7 +68,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--token-loss-weight", type=float, default=None,
                    help="EAGLE: weight of the token cross-entropy against the target's "
                         "distribution (default 0.1)")
-    m.add_argument("--token-loss", choices=("kl", "lk"), default=None,
+    m.add_argument("--token-loss", choices=TOKEN_LOSSES, default=None,
                    help="EAGLE: the token term, kl (cross-entropy to the target's distribution, "
                         "EAGLE's; default) or lk (-log of the acceptance rate sum min(p, q), "
                         "the LK loss: for sampled decoding)")
