@@ -8,10 +8,34 @@ from pathlib import Path
 import pytest
 
 
+# XLA:CPU flags for the tests: most of the suite's time is compiling, and the tests check what
+# programs compute, not how fast. Without LLVM's optimisation an EAGLE-2 decoding loop compiled
+# ~1.9x faster (docs/design.md, "Test suite time"). Users' programs keep XLA's defaults;
+# SPECJAX_TEST_XLA_DEFAULTS=1 runs the tests under them too.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a test's subprocess: the parent's flags (less any host device count), and
+    `devices` host devices when given."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
+
 def pytest_configure(config):
     """Compiled programs persist across runs in specjax's compile cache, as for the `specjax`
     command, also for the subprocesses tests start (through the environment they inherit).
-    A cold cache changes nothing but the time; SPECJAX_COMPILE_CACHE=0 turns it off."""
+    A cold cache changes nothing but the time; SPECJAX_COMPILE_CACHE=0 turns it off.
+    TEST_XLA_FLAGS go into the environment before JAX starts its backend, so they hold here and
+    in every subprocess."""
+    if os.environ.get("SPECJAX_TEST_XLA_DEFAULTS", "") not in ("1", "true", "yes"):
+        present = os.environ.get("XLA_FLAGS", "").split()
+        names = {f.split("=")[0] for f in present}
+        os.environ["XLA_FLAGS"] = " ".join(
+            present + [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in names])
     from specjax.compile_cache import MIN_COMPILE_SECONDS, enable_compile_cache
 
     path = enable_compile_cache()

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from specjax.attention import attention_backend, use_attention_backend
 from specjax.cpu.attention import TARGET, _reference, cpu_paged_attention
@@ -168,7 +169,7 @@ def test_auto_backend_on_one_and_several_cpu_devices():
             assert attention_backend() == "cpu"
     code = ("import jax\nfrom specjax.attention import attention_backend\n"
             "print(jax.device_count(), attention_backend())\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
                SPECJAX_ATTENTION="auto")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from specjax.cpu import matmul as cpu_matmul
 from specjax.cpu.matmul import TARGET, rows_matmul, unsupported_reason, use_cpu_matmul
@@ -315,7 +316,7 @@ def test_auto_leaves_meshes_to_xla():
             "from specjax.model import linear\n"
             "print(jax.device_count(), 'specjax_rows_matmul' in "
             "jax.jit(linear).lower(jnp.zeros((2, 8)), jnp.zeros((4, 8))).as_text())\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
                SPECJAX_CPU_MATMUL="auto")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True)

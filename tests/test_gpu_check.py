@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -21,9 +22,7 @@ SECTIONS = ("environment", "kernel", "methods", "sampling", "decode", "peer", "o
 
 def run(args, devices: int = 1, timeout: int = 900, script=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
-    if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices if devices > 1 else None)
     cmd = [sys.executable, "-c", script] if script else [sys.executable, str(SCRIPT), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

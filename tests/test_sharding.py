@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -177,11 +178,11 @@ def runs(tiny_llama, tmp_path_factory):
                 "--prompt", "Hello! How are you today?", "--prompt", "def add(a, b):"]
     base = {**os.environ, "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    base.pop("XLA_FLAGS", None)
+    base["XLA_FLAGS"] = xla_flags()
     main = subprocess.Popen(
         [sys.executable, str(script), *cli_args], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
-        env={**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        env={**base, "XLA_FLAGS": xla_flags(8)})
     port = _free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "specjax.cli", *cli_args, "--tp", "2",

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from training.data import DataError, read_prompt_file
 from training.losses import (eagle3_loss, eagle_loss, medusa_loss, redrafter_loss,
@@ -900,7 +901,7 @@ def test_data_parallel_matches_single_device(tmp_path):
                 np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
         print("OK")
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=600)
