@@ -19,6 +19,10 @@ Lossless rules (docs/design.md, "Acceptance, and why each rule is lossless"):
   earlier ones. By induction on the siblings left, what follows a rejection outputs
   norm(max(0, p' - q')) whatever was rejected, so each try outputs min(p', q') + max(0, p' - q')
   = p', and the first outputs p.
+- `traversal` (the same drawn trees, Weng et al. 2025, "Traversal Verification"): nodes tried
+  leaves first, each with the weight of its whole root path; a path is accepted at least as
+  often as under `recursive` (`accept_traversal` has the proof). It needs subtrees drawn apart
+  from each other (a subtree's shape must not depend on a sibling subtree's draws).
 
 Lossy by design, offered because Medusa offers it: `typical` acceptance keeps a drafted token x
 when p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))) at its parent, follows the
@@ -147,6 +151,18 @@ def _after_rejection(p, q, x, p_node):
             _normalized(jnp.where(drawn, 0.0, q), jnp.zeros_like(q)))
 
 
+def _drawn_tree_inputs(rule: str, tree: DraftTree, logits, keys, sampling: SamplingConfig):
+    """What the rules over drawn trees start from, after refusing trees they cannot walk: one
+    uniform [B, T] per node (or try), a key [B] for the next token, the target's p [B, T, V]."""
+    if tree.draft_logprobs is None:
+        raise ValueError(f"{rule} acceptance needs the draft's probabilities (draft_logprobs)")
+    if tree.acceptable is not None:
+        raise ValueError(f"{rule} acceptance walks draft trees: it takes no `acceptable` mask")
+    split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (tree.size,)))(split[:, 0])
+    return u, split[:, 1], jnp.exp(processed_logprobs(logits, sampling))
+
+
 def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
     """The `recursive` rule (module docstring) over trees whose siblings, in index order, were
     drawn one after another without replacement from q = draft_logprobs (a prefix of the draws).
@@ -157,15 +173,9 @@ def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
     group of draws, tried from its own q against the residual p' left so far: a deterministic
     candidate (the lookup graft's, q one-hot) tried after the drafted ones is such a group.
     """
-    if tree.draft_logprobs is None:
-        raise ValueError("recursive acceptance needs the draft's probabilities (draft_logprobs)")
-    if tree.acceptable is not None:
-        raise ValueError("recursive acceptance walks draft trees: it takes no `acceptable` mask")
+    u, next_keys, p = _drawn_tree_inputs("recursive", tree, logits, keys, sampling)
     b, t = tree.tokens.shape
     rows = jnp.arange(b)
-    split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (t,)))(split[:, 0])  # one per node
-    p = jnp.exp(processed_logprobs(logits, sampling))  # target p at each node  [B, T, V]
 
     logq = tree.draft_logprobs
 
@@ -187,8 +197,115 @@ def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
     init = (zero, p[:, 0], jnp.zeros_like(p[:, 0]), zero, jnp.ones((b,), bool))
     cur, p_c, *_ = jax.lax.fori_loop(1, t, try_node, init)
     # p' is the residual after rejected children, or p at a leaf (the bonus).
-    nxt = jax.vmap(categorical)(split[:, 1], jnp.log(p_c))
+    nxt = jax.vmap(categorical)(next_keys, jnp.log(p_c))
     return AcceptResult(_path_to(tree, cur), tree.depth[rows, cur].astype(jnp.int32), nxt)
+
+
+def _sibling_groups(tree: DraftTree):
+    """bool[B, T]: node j continues the draws of its previous valid sibling (same q row), so
+    after that sibling's rejection it is a draw from q without the rejected tokens."""
+    b, t = tree.tokens.shape
+    earlier = jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
+    sib = ((tree.parent[:, :, None] == tree.parent[:, None, :]) & tree.valid[:, None, :]
+           & earlier & (tree.parent[:, :, None] >= 0))
+    prev = jnp.argmax(jnp.where(sib, jnp.arange(t)[None, None, :], -1), axis=2)
+    logq = tree.draft_logprobs
+    prev_q = jnp.take_along_axis(logq, prev[:, :, None], axis=1)
+    return jnp.any(sib, axis=2) & jnp.all(logq == prev_q, axis=-1)
+
+
+def _path_log_weights(tree: DraftTree, anc, log_ratio, log_w_set, was_set):
+    """float32[B, T]: log of each node's acceptance weight w(j) = min(1, w(parent) r(j)), or the
+    weight set at the node when one of its children was rejected (the root's is 1 until then).
+    x_d = min(0, x_{d-1} + l_d) from x_s is min(x_s + sum_{s<i<=d} l_i, min_{s<k<=d} sum_{k<i<=d}
+    l_i), so with C the cumulative log-ratio along each root path and s the deepest node with a
+    set weight, every node's weight comes from one [B, T, T] reduction."""
+    b, t = tree.tokens.shape
+    cum = jnp.einsum("bjm,bm->bj", anc.astype(jnp.float32), log_ratio)  # C(j)
+    anchored = anc & (was_set | (jnp.arange(t) == 0))[:, None, :]
+    depth_s = jnp.max(jnp.where(anchored, tree.depth[:, None, :], -1), axis=2)  # [B, T]
+    base = jnp.where(was_set, log_w_set, 0.0)
+    at_s = tree.depth[:, None, :] == depth_s[:, :, None]
+    term = cum[:, :, None] - cum[:, None, :] + jnp.where(at_s, base[:, None, :], 0.0)
+    usable = anc & (tree.depth[:, None, :] >= depth_s[:, :, None])
+    return jnp.min(jnp.where(usable, term, jnp.inf), axis=2)
+
+
+def _weight_after_rejection(mass, a):
+    """The weight h = S / (S + 1 - a) a node of weight a keeps when a child is rejected, S the
+    mass of max(0, a p' - q') (1 where S + 1 - a = 0: a state reached with probability 0)."""
+    return jnp.where(mass + 1.0 - a > 0, mass / jnp.maximum(mass + 1.0 - a, 1e-30), 1.0)
+
+
+def accept_traversal(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
+    """The `traversal` rule (Weng et al. 2025, "Traversal Verification"): over the same drawn
+    trees as `recursive`, leaves first.
+
+    The nodes are tried in post-order (a node after its whole subtree). Node j carries the
+    weight w(j) = min(1, w(parent) p'(j) / q'(j)) of its root path, with p' and q' its parent's
+    current target and draft distributions; the tried node (a leaf of what is left) is accepted
+    with probability w, with its whole root path. On rejection it is deleted and its parent X,
+    of weight a, takes p' <- norm(max(0, a p' - q')), q' <- q' without the node, and the weight
+    h = S / (S + 1 - a), S = sum(max(0, a p' - q')); X's later children (and their subtrees)
+    then weigh against these. The next token comes from the accepted node's p' (p at a leaf: the
+    bonus). Block verification (Sun et al. 2024) is the chain case.
+
+    Why it is exact: a subtree entered with weight w is left through its root with probability
+    w, the next token then following the target (by induction on the children left: the first
+    child's subtree is left through the child with min(q', w p'), the rejections leave mass
+    S + 1 - w, and with weight h the rest leaves h (S + 1 - w) = S of it as norm(max(0, w p' -
+    q')): w p' in all). The root enters with 1. This needs every subtree to be drawn from its own
+    root's draws, its root path and its elder siblings' tokens alone: a subtree whose shape
+    depends on a sibling subtree's draws (EAGLE-2's beams wider than one node past depth 1, or
+    Medusa's draws shared by the parents of a depth) is not verified exactly by it.
+    A path accepted by `recursive` is accepted here too with at least that probability, since
+    min(1, a r) >= min(1, a) min(1, r).
+    """
+    u, next_keys, p = _drawn_tree_inputs("traversal", tree, logits, keys, sampling)
+    b, t = tree.tokens.shape
+    rows = jnp.arange(b)
+    logq = tree.draft_logprobs
+    parent = jnp.clip(tree.parent, 0, t - 1)
+    tok = tree.tokens
+    anc = ancestor_mask(tree)
+    same = _sibling_groups(tree)
+    q_own = jnp.exp(jnp.take_along_axis(logq, tok[:, :, None], axis=2)[..., 0].astype(jnp.float32))
+    earlier = jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
+    siblings = (tree.parent[:, :, None] == tree.parent[:, None, :]) & earlier
+    bound = lambda x: jnp.clip(jnp.log(x), -1e4, 1e4)  # noqa: E731  finite log-ratios
+
+    def try_leaf(i, carry):
+        deleted, done, final, p_c, q_c, was_set, w_set = carry
+        active = tree.valid & ~deleted
+        first = active & ~jnp.any(siblings & active[:, None, :], axis=2)  # first active child
+        on_path = jnp.all(~anc | first[:, None, :] | (jnp.arange(t) == 0)[None, None, :], axis=2)
+        leaf = jnp.argmax(jnp.where(on_path & active, tree.depth, -1), axis=1)
+        p_tok = p_c[rows[:, None], parent, tok]  # p'(j) at j's parent  [B, T]
+        q_tok = jnp.where(same, q_c[rows[:, None], parent, tok], q_own)  # q'(j)
+        log_ratio = jnp.where(jnp.arange(t) == 0, 0.0, bound(p_tok) - bound(q_tok))
+        log_w = _path_log_weights(tree, anc & on_path[:, :, None], log_ratio, jnp.log(w_set),
+                                  was_set)
+        take = ~done & (u[:, i] < jnp.exp(log_w[rows, leaf]))
+        drop = ~done & ~take
+        x = parent[rows, leaf]  # the rejected leaf's parent
+        a = jnp.exp(log_w[rows, x])
+        q = jnp.where(same[rows, leaf][:, None], q_c[rows, x],
+                      jnp.exp(logq[rows, leaf].astype(jnp.float32)))
+        scaled = a[:, None] * p_c[rows, x]
+        mass = jnp.sum(jnp.maximum(scaled - q, 0.0), axis=-1)  # S
+        h = _weight_after_rejection(mass, a)
+        p_rej, q_rej = _after_rejection(scaled, q, tok[rows, leaf], p[rows, x])
+        put = lambda arr, val: arr.at[rows, x].set(jnp.where(drop[:, None], val, arr[rows, x]))  # noqa: E731
+        return (deleted.at[rows, leaf].set(deleted[rows, leaf] | drop), done | take,
+                jnp.where(take, leaf, final), put(p_c, p_rej), put(q_c, q_rej),
+                was_set.at[rows, x].set(was_set[rows, x] | drop),
+                w_set.at[rows, x].set(jnp.where(drop, h, w_set[rows, x])))
+
+    init = (~tree.valid, jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32), p, jnp.zeros_like(p),
+            jnp.zeros((b, t), bool), jnp.ones((b, t), jnp.float32))
+    _, _, final, p_c, *_ = jax.lax.fori_loop(0, t, try_leaf, init)
+    nxt = jax.vmap(categorical)(next_keys, jnp.log(p_c[rows, final]))
+    return AcceptResult(_path_to(tree, final), tree.depth[rows, final].astype(jnp.int32), nxt)
 
 
 def accept_typical(tree: DraftTree, logits, keys, sampling: SamplingConfig,
@@ -216,6 +333,9 @@ def accept(tree: DraftTree, logits, keys, sampling: SamplingConfig, rule: str = 
         return accept_residual(tree, logits, keys, sampling)
     if rule == "recursive":
         return accept_recursive(tree, logits, keys, sampling)
+    if rule == "traversal":
+        return accept_traversal(tree, logits, keys, sampling)
     if rule == "typical":
         return accept_typical(tree, logits, keys, sampling, posterior_threshold, posterior_alpha)
-    raise ValueError(f"unknown acceptance rule '{rule}' (match, residual, recursive or typical)")
+    raise ValueError(f"unknown acceptance rule '{rule}' "
+                     "(match, residual, recursive, traversal or typical)")

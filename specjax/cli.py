@@ -125,11 +125,12 @@ def _add_method_args(p):
                         "decoding_defaults, else 0); steps with unlikely drafts run narrower, "
                         "down to a plain decode step. Top-k trees only (greedy, or sampling "
                         "with --acceptance match)")
-    e.add_argument("--acceptance", choices=("match", "recursive"), default=None,
+    e.add_argument("--acceptance", choices=("match", "recursive", "traversal"), default=None,
                    help="medusa and eagle methods, when sampling: recursive (children drawn "
                         "without replacement from the draft, recursive rejection sampling; the "
-                        "default where the tree allows) or match (the target's sample must "
-                        "equal a top-k child)")
+                        "default where the tree allows), traversal (the same trees verified "
+                        "leaves first with path weights; trees of fixed shape) or match (the "
+                        "target's sample must equal a top-k child)")
     r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
     r.add_argument("--redrafter-num-beams", type=int, default=None,
                    help="beams drafted per step (default: the heads' recommendation, else 5)")

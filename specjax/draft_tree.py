@@ -57,6 +57,20 @@ def skipped_draw(paths: Sequence[Sequence[int]]) -> tuple | None:
                  if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in listed), None)
 
 
+# Rules that verify trees drawn from the draft's q (a node's children: its first draws).
+DRAWN_RULES = ("recursive", "traversal")
+
+
+def one_parent_per_depth(paths: Sequence[Sequence[int]]) -> bool:
+    """Whether the nodes of each depth of a static tree (paths of ranks) share one parent: then
+    draws shared by a depth's parents (Medusa's heads) fall in one subtree only, as the
+    `traversal` rule needs."""
+    parents = {}
+    for p in paths:
+        parents.setdefault(len(p), set()).add(tuple(p[:-1]))
+    return all(len(s) == 1 for s in parents.values())
+
+
 def check_recursive_tree(paths: Sequence[Sequence[int]]) -> None:
     """Refuse a static tree the `recursive` rule cannot verify when its nodes are drawn."""
     p = skipped_draw(paths)

@@ -64,8 +64,8 @@ class LookaheadConfig:
 
 def check_acceptance(rule: str | None) -> None:
     """Refuse an `acceptance` rule that is not one of the lossless tree rules."""
-    if rule not in (None, "match", "recursive"):
-        raise MethodError(f"`acceptance` is match or recursive, not {rule!r}")
+    if rule not in (None, "match", "recursive", "traversal"):
+        raise MethodError(f"`acceptance` is match, recursive or traversal, not {rule!r}")
 
 
 @dataclass(frozen=True)

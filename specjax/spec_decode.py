@@ -56,7 +56,7 @@ class Proposer(Protocol):
 
     tree_size: int  # T, nodes per draft tree (root included)
     is_chain: bool  # trees are chains (commit needs no K/V moves)
-    rule: str  # acceptance rule when sampling: "match", "residual", "recursive" or "typical"
+    rule: str  # when sampling: "match", "residual", "recursive", "traversal" or "typical"
 
     def make_pools(self, num_pages: int, page_size: int, dtype) -> Any:
         """Device buffers the proposer keeps across calls (a draft KV pool), or None."""

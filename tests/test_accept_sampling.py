@@ -11,9 +11,10 @@ it. End to end, every method samples through Engine.generate with 20480 seeds (P
 Draft-Target with sampled and with greedy drafts, Medusa, EAGLE-1 trees, the EAGLE chain (its
 head an exact copy of the target), EAGLE-2 with and without the probability floor and the lookup
 graft, EAGLE-3, sampled ReDrafter beams, and Medusa, EAGLE-1, EAGLE-2 and EAGLE-3 with the
-`recursive` rule, also with the graft), and each run again with its first draft emitted
-unchecked must fail.
-The `recursive` rule itself is tested exactly in tests/test_accept_recursive.py.
+`recursive` rule, also with the graft, and Medusa, EAGLE-1 and EAGLE-2 (with the graft) with the
+`traversal` rule), and each run again with its first draft emitted unchecked must fail.
+The `recursive` and `traversal` rules themselves are tested exactly in
+tests/test_accept_recursive.py and tests/test_accept_traversal.py.
 """
 
 from __future__ import annotations
@@ -399,6 +400,10 @@ def test_the_chi_square_has_power(tables):
 E2E_BATCH, E2E_CALLS = 1024, 20
 
 
+def _rule_of(method: str) -> str:
+    return next((r for r in ("recursive", "traversal") if r in method), "match")
+
+
 def _tree_proposer(method, target):
     """Medusa or EAGLE-2 with random heads over the tiny target (trees of top-k candidates)."""
     from specjax.model import lm_head_weight
@@ -407,9 +412,11 @@ def _tree_proposer(method, target):
     if method.startswith("medusa"):
         from specjax.proposers.medusa import MedusaProposer
 
+        # traversal: each depth under one parent (a head's draws are shared by a depth's parents)
+        choices = (((0, 0), (0, 1), (1,), (2,)) if "traversal" in method
+                   else ((0, 0), (0, 1), (1, 0), (2,), (3,)))
         proposer = MedusaProposer(num_heads=2, vocab_size=V, own_lm_head=False,
-                                  medusa_choices=((0, 0), (0, 1), (1, 0), (2,), (3,)),
-                                  acceptance="recursive" if "recursive" in method else "match")
+                                  medusa_choices=choices, acceptance=_rule_of(method))
         heads = proposer.init_params(key, CFG.hidden_size, lm_head_weight(target))
         heads = jax.tree_util.tree_map(lambda a: a + 0.3 * jax.random.normal(key, a.shape), heads)
         return proposer, {"heads": heads, "lm_head": lm_head_weight(target)}
@@ -444,6 +451,10 @@ def _tree_proposer(method, target):
     proposer = {"eagle": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices),
                 "eagle-recursive": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices,
                                                      rule="recursive"),
+                "eagle-traversal": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices,
+                                                     rule="traversal"),
+                "eagle2-traversal": EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2,
+                                                         top_k=3, rule="traversal"),
                 "eagle2-floor": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3,
                                                      min_prob=0.05),
                 "eagle2-recursive": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2,
@@ -482,7 +493,8 @@ def _eagle_chain_oracle(target):
                                     "eagle2-recursive", "eagle3-recursive",
                                     "eagle2-recursive-lookup", "medusa-recursive",
                                     "eagle-recursive", "medusa-recursive-lookup",
-                                    "eagle-chain"])
+                                    "eagle-traversal", "eagle2-traversal-lookup",
+                                    "medusa-traversal", "eagle-chain"])
 def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     """Each method through Engine.generate, 20480 seeds: the first two tokens against the
     target's distribution; then, as a control, the same run with the first draft emitted
@@ -499,7 +511,7 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     elif method in ("medusa", "eagle", "eagle2", "eagle2-floor", "eagle3", "redrafter"):
         sampling = SamplingConfig(temperature=0.8, top_p=0.95)
         proposer, params = _tree_proposer(method, target)
-    elif "recursive" in method:  # children drawn from the draft's q, which top-k cuts
+    elif _rule_of(method) != "match":  # children drawn from the draft's q, which top-k cuts
         sampling = SamplingConfig(temperature=1.0, top_k=6)
         proposer, params = _tree_proposer(method.removesuffix("-lookup"), target)
         if method.endswith("lookup"):  # certain candidates tried after the drafted ones

@@ -151,9 +151,9 @@ def test_graft_refuses_lossy_rules_and_bad_options(target):
     from specjax.proposers.medusa import MedusaProposer
 
     base, _ = _eagle2(target)
-    with pytest.raises(ValueError, match="`match` or `recursive` rule, not 'typical'"):
+    with pytest.raises(ValueError, match="`match`, `recursive` or `traversal` rule, not 'typical'"):
         LookupGraftProposer(MedusaProposer(vocab_size=CFG.vocab_size, posterior_threshold=0.09))
-    with pytest.raises(ValueError, match="match or recursive rule, not 'residual'"):
+    with pytest.raises(ValueError, match="match, recursive or traversal rule, not 'residual'"):
         dataclasses.replace(base, rule="residual")
     with pytest.raises(ValueError, match="width must be at least 2"):
         LookupGraftProposer(base, width=1)

@@ -89,7 +89,7 @@ def test_acceptance_defaults_to_recursive_where_it_applies():
     assert _default_rule(eagle1, [[0], [2]]) == "match"  # (2,) skips rank 1
     assert _default_rule(MedusaConfig(), MC_SIM_7B_63) == "recursive"
     assert _default_rule(MedusaConfig(), [[0], [0, 1]]) == "match"
-    with pytest.raises(MethodError, match="`acceptance` is match or recursive"):
+    with pytest.raises(MethodError, match="`acceptance` is match, recursive or traversal"):
         EagleConfig(acceptance="greedy")
-    with pytest.raises(MethodError, match="`acceptance` is match or recursive"):
+    with pytest.raises(MethodError, match="`acceptance` is match, recursive or traversal"):
         MedusaConfig(acceptance="typical")

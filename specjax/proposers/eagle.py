@@ -42,9 +42,9 @@ from flax import struct
 from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
 from specjax.cpu.top_k import top_log_probs
-from specjax.draft_tree import (DraftTree, chain, check_confidence_floor, check_recursive_tree,
-                                drawn_static_tree, on_vocabulary, reaches_floor,
-                                static_draft_tree, static_tree)
+from specjax.draft_tree import (DRAWN_RULES, DraftTree, chain, check_confidence_floor,
+                                check_recursive_tree, drawn_static_tree, on_vocabulary,
+                                reaches_floor, static_draft_tree, static_tree)
 from specjax.model import causal_mask
 from specjax.proposers.eagle_net import eagle_forward, eagle_logits
 from specjax.sampling import gumbel_top_k, processed_logprobs
@@ -94,8 +94,9 @@ class _EagleBase(ProposerBase):
     def __post_init__(self):
         check_confidence_floor(self.min_prob)
         if self.rule not in self.rules:
-            raise ValueError(f"this EAGLE proposer verifies with the {' or '.join(self.rules)} "
-                             f"rule, not {self.rule!r}")
+            names = ", ".join(self.rules[:-1]) + " or " * (len(self.rules) > 1) + self.rules[-1]
+            raise ValueError(f"this EAGLE proposer verifies with the {names} rule, not "
+                             f"{self.rule!r}")
         if self.variant not in ("eagle", "eagle3"):
             raise ValueError(f"unknown EAGLE variant '{self.variant}' (eagle or eagle3)")
         if self.variant == "eagle3" and len(self.feature_layers) != 3:
@@ -241,14 +242,14 @@ class EagleTreeProposer(_EagleBase):
 
     eagle_choices: tuple = EAGLE_DEFAULT_TREE
     is_chain: bool = False
-    rules = ("match", "recursive")  # recursive: trees drawn from q when sampling
+    rules = ("match", *DRAWN_RULES)  # recursive, traversal: trees drawn from q when sampling
 
     def __post_init__(self):
         super().__post_init__()
         from specjax.proposers.medusa import expand_choices
 
         object.__setattr__(self, "eagle_choices", expand_choices(self.eagle_choices))
-        if self.rule == "recursive":
+        if self.rule in DRAWN_RULES:
             check_recursive_tree(self.eagle_choices)
 
     @property
@@ -272,7 +273,7 @@ class EagleTreeProposer(_EagleBase):
         """Under the `recursive` rule when sampling, rank r is the r-th draw without replacement
         from the draft's (processed) q after the parent, each parent with its own key."""
         parent, depth, rank, anc = self._topology()
-        drawn = self.rule == "recursive" and not sampling.greedy
+        drawn = self.rule in DRAWN_RULES and not sampling.greedy
         b, t = ctx.tokens.shape[0], self.tree_size
         max_rank = int(rank.max()) + 1
         cache = state.cache(ctx.block_tables)
@@ -327,13 +328,18 @@ class EagleDynamicProposer(_EagleBase):
     depth: int = 5
     top_k: int = 8
     is_chain: bool = False
-    rules = ("match", "recursive")  # recursive: trees drawn from q when sampling
+    rules = ("match", *DRAWN_RULES)  # recursive, traversal: trees drawn from q when sampling
 
     def __post_init__(self):
         super().__post_init__()
         if self.top_k < 1 or self.depth < 0 or self.total_tokens < 2:
             raise ValueError("EAGLE-2 needs top_k >= 1, depth >= 0 and total_tokens >= 2")
-        if self.rule == "recursive" and not self.recursive_fits(self.total_tokens, self.depth,
+        if self.rule == "traversal" and not self.traversal_fits(self.total_tokens, self.top_k):
+            raise ValueError(
+                "traversal acceptance needs drawn trees whose shape is fixed: total_tokens - 1 "
+                f"<= top_k + 1 = {self.top_k + 1}, or top_k = 1 (wider beams past depth 1 "
+                "make one subtree's shape depend on another's draws)")
+        if self.rule in DRAWN_RULES and not self.recursive_fits(self.total_tokens, self.depth,
                                                                 self.top_k):
             raise ValueError(
                 "recursive acceptance verifies beams of top_k nodes per depth: it needs "
@@ -368,6 +374,13 @@ class EagleDynamicProposer(_EagleBase):
         top_k per depth."""
         return total_tokens - 1 <= top_k * (depth + 1)
 
+    @staticmethod
+    def traversal_fits(total_tokens: int, top_k: int) -> bool:
+        """Whether the drawn tree's shape is fixed, as the `traversal` rule needs: past the
+        first depth's beam only the best node's first draw is kept (its value is the beam's
+        best), or the beams are single nodes (a chain)."""
+        return top_k == 1 or total_tokens - 1 <= top_k + 1
+
     @property
     def levels(self) -> int:
         """Depths of drafted nodes under the `recursive` rule: beams of top_k nodes each."""
@@ -387,7 +400,7 @@ class EagleDynamicProposer(_EagleBase):
         return h, cache, mask
 
     def propose(self, params, state: EagleState, ctx, keys, sampling):
-        if self.rule == "recursive" and not sampling.greedy:
+        if self.rule in DRAWN_RULES and not sampling.greedy:
             return self._propose_sampled(params, state, ctx, keys, sampling)
         b, k = ctx.tokens.shape[0], self.top_k
         j_all = max(self.depth * k, 1)

@@ -20,7 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from specjax.accept import acceptable_nodes
-from specjax.draft_tree import DraftTree
+from specjax.draft_tree import DRAWN_RULES, DraftTree
 from specjax.proposers.prompt_lookup import PromptLookupProposer
 from specjax.spec_decode import ProposerBase
 
@@ -98,12 +98,12 @@ class LookupGraftProposer(ProposerBase):
     width: int | None = None
 
     def __post_init__(self):
-        if self.base.rule not in ("match", "recursive") or self.base.rule_options:
+        if self.base.rule not in ("match", *DRAWN_RULES) or self.base.rule_options:
             raise ValueError("a prompt-lookup graft needs a proposer verified with the lossless "
-                             f"`match` or `recursive` rule, not {self.base.rule!r}")
-        if self.width is not None and self.base.rule == "recursive":
+                             f"`match`, `recursive` or `traversal` rule, not {self.base.rule!r}")
+        if self.width is not None and self.base.rule in DRAWN_RULES:
             raise ValueError("a graft's width cuts the tree by what it drafted, and the "
-                             "recursive rule verifies whole drawn trees: give no width")
+                             f"{self.base.rule} rule verifies whole drawn trees: give no width")
         if self.width is not None and self.width < 2:
             raise ValueError(f"the graft's width must be at least 2 (the pending token and one "
                              f"drafted), got {self.width}")

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.draft_tree import (check_confidence_floor, check_recursive_tree, drawn_static_tree,
-                                on_vocabulary, reaches_floor, static_draft_tree, static_tree)
+from specjax.draft_tree import (DRAWN_RULES, check_confidence_floor, check_recursive_tree,
+                                drawn_static_tree, on_vocabulary, one_parent_per_depth,
+                                reaches_floor, static_draft_tree, static_tree)
 from specjax.model import head_logits
 from specjax.sampling import gumbel_top_k, processed_logprobs
 from specjax.spec_decode import ProposerBase
@@ -116,7 +117,8 @@ class MedusaProposer(ProposerBase):
     # Verify only nodes whose cumulative head probability (the product over the path of each
     # head's softmax) is at least this, in top-k trees (greedy, `match`): see EAGLE's min_prob.
     min_prob: float = 0.0
-    # The lossless rule when sampling: "match" (top-k trees) or "recursive" (drawn trees).
+    # The lossless rule when sampling: "match" (top-k trees), "recursive" or "traversal"
+    # (drawn trees; traversal where each depth's nodes share one parent).
     acceptance: str = "match"
     is_chain: bool = False
 
@@ -126,7 +128,7 @@ class MedusaProposer(ProposerBase):
 
     @property
     def rules(self) -> tuple[str, ...]:
-        return ("match", "recursive") if self.posterior_threshold is None else ("typical",)
+        return ("match", *DRAWN_RULES) if self.posterior_threshold is None else ("typical",)
 
     @property
     def rule_options(self) -> dict:
@@ -142,14 +144,17 @@ class MedusaProposer(ProposerBase):
                 0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
             raise ValueError("posterior_threshold and posterior_alpha must be in (0, 1]")
         check_confidence_floor(self.min_prob)
-        if self.acceptance not in ("match", "recursive"):
-            raise ValueError(f"Medusa verifies with the match or recursive rule, not "
-                             f"{self.acceptance!r}")
-        if self.acceptance == "recursive":
+        if self.acceptance not in ("match", *DRAWN_RULES):
+            raise ValueError(f"Medusa verifies with the match, recursive or traversal rule, "
+                             f"not {self.acceptance!r}")
+        if self.acceptance in DRAWN_RULES:
             if self.posterior_threshold is not None:
-                raise ValueError("typical acceptance (posterior_threshold) replaces the "
-                                 "recursive rule: give one of them")
+                raise ValueError(f"typical acceptance (posterior_threshold) replaces the "
+                                 f"{self.acceptance} rule: give one of them")
             check_recursive_tree(nodes)
+        if self.acceptance == "traversal" and not one_parent_per_depth(nodes):
+            raise ValueError("traversal acceptance needs each depth of medusa_choices under one "
+                             "parent: a Medusa head's draws are shared by a depth's parents")
         if max(len(p) for p in nodes) > self.num_heads:
             raise ValueError(f"medusa_choices is {max(len(p) for p in nodes)} deep but there are "
                              f"only {self.num_heads} Medusa heads")
@@ -193,7 +198,7 @@ class MedusaProposer(ProposerBase):
                              params.get("lm_head"))  # [B, used, V]
         head = jnp.clip(depth - 1, 0, used - 1)
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
-        if self.rule == "recursive" and not sampling.greedy:
+        if self.rule in DRAWN_RULES and not sampling.greedy:
             logq = processed_logprobs(logits, sampling)  # [B, used, V']
             ids, drawn = gumbel_top_k(jax.vmap(lambda k: jax.random.split(k, used))(keys),
                                       logq, self.top_k)  # [B, used, K] each head's draws
