@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py --method eagle2
     python benchmarks/profile_step.py --method eagle2 --option eagle_total_tokens=8 --top 20
     python benchmarks/profile_step.py --method eagle2 --option acceptance=recursive --temperature 1
+    python benchmarks/profile_step.py --method eagle2 --temperature 0.7 --top-k 50 --top-p 0.9
 
 Generates for one dev prompt under `jax.profiler`, with XLA's optimized HLO dumped, and sums the
 time of every op of the jitted loop by the `jax.named_scope` of spec_step's phase it belongs to
@@ -56,6 +57,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=10, help="also list the N costliest ops")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="0: off")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="specjax-profile-")
@@ -87,7 +90,8 @@ def main(argv=None):
     from specjax.sampling import SamplingConfig
 
     kw = dict(proposer=proposer, proposer_params=proposer_params) if proposer else {}
-    kw["sampling"] = SamplingConfig(temperature=args.temperature)
+    kw["sampling"] = SamplingConfig(temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p)
     engine.generate([ids], args.max_new_tokens, warmup=True, **kw)  # compiles (and dumps HLO)
     trace = os.path.join(work, "trace")
     jax.profiler.start_trace(trace)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.attention import on_cpu_path
 from specjax.draft_tree import DraftTree, ancestor_mask
 from specjax.sampling import SamplingConfig, argmax_last, categorical, processed_logprobs
 
@@ -151,16 +152,31 @@ def _after_rejection(p, q, x, p_node):
             _normalized(jnp.where(drawn, 0.0, q), jnp.zeros_like(q)))
 
 
-def _drawn_tree_inputs(rule: str, tree: DraftTree, logits, keys, sampling: SamplingConfig):
+def _only_if(pred, body, carry):
+    """body(carry) if pred else carry, for a body that leaves carry as it is when it has nothing
+    to do. The skip pays on XLA:CPU (a node's [B, V] work, ~0.1 ms at V = 49,152: 0.4 ms of a
+    26 ms EAGLE-2 step); a GPU program runs the body, cheaper there than a conditional's
+    device-to-host read of pred."""
+    if not on_cpu_path():
+        return body(carry)
+    return jax.lax.cond(pred, body, lambda c: c, carry)
+
+
+def _target_probs(logits, sampling: SamplingConfig):
+    """The target's p [..., V] after the request's temperature, top-k and top-p."""
+    return jnp.exp(processed_logprobs(logits, sampling))
+
+
+def _drawn_tree_inputs(rule: str, tree: DraftTree, keys):
     """What the rules over drawn trees start from, after refusing trees they cannot walk: one
-    uniform [B, T] per node (or try), a key [B] for the next token, the target's p [B, T, V]."""
+    uniform [B, T] per node (or try) and a key [B] for the next token."""
     if tree.draft_logprobs is None:
         raise ValueError(f"{rule} acceptance needs the draft's probabilities (draft_logprobs)")
     if tree.acceptable is not None:
         raise ValueError(f"{rule} acceptance walks draft trees: it takes no `acceptable` mask")
     split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
     u = jax.vmap(lambda k: jax.random.uniform(k, (tree.size,)))(split[:, 0])
-    return u, split[:, 1], jnp.exp(processed_logprobs(logits, sampling))
+    return u, split[:, 1]
 
 
 def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
@@ -172,42 +188,65 @@ def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
     A sibling whose q row differs from the one its earlier siblings were drawn from starts a new
     group of draws, tried from its own q against the residual p' left so far: a deterministic
     candidate (the lookup graft's, q one-hot) tried after the drafted ones is such a group.
+    On XLA:CPU the target's p is computed only at the root and the nodes accepted (a row of
+    exp(log_softmax) over the vocabulary costs there as much as a tried node's other work); a
+    GPU program computes it for all nodes in one batch.
     """
-    u, next_keys, p = _drawn_tree_inputs("recursive", tree, logits, keys, sampling)
+    u, next_keys = _drawn_tree_inputs("recursive", tree, keys)
     b, t = tree.tokens.shape
     rows = jnp.arange(b)
+    p_all = None if on_cpu_path() else _target_probs(logits, sampling)
+
+    def p_at(j):
+        return _target_probs(logits[:, j], sampling) if p_all is None else p_all[:, j]
 
     logq = tree.draft_logprobs
 
     def try_node(j, carry):  # carry: current node, p', q', the node q' was read from, fresh
+        cur = carry[0]
+        tried = tree.valid[:, j] & (tree.parent[:, j] == cur)
+        # Most nodes of a tree are never tried (a rejected node's subtree, an accepted one's
+        # later siblings): their [B, V] work is skipped when no row tries the node.
+        return _only_if(jnp.any(tried), lambda c: try_tried(j, tried, c), carry)
+
+    def try_tried(j, tried, carry):
         cur, p_c, q_c, src, fresh = carry
         new = fresh | jnp.any(logq[:, j] != logq[rows, src], axis=-1)  # a new group of draws
         q = jnp.where(new[:, None], jnp.exp(logq[:, j].astype(jnp.float32)), q_c)
         x = tree.tokens[:, j]
-        tried = tree.valid[:, j] & (tree.parent[:, j] == cur)
         ok = u[:, j] * q[rows, x] < p_c[rows, x]  # probability min(1, p'(x) / q'(x))
-        p_rej, q_rej = _after_rejection(p_c, q, x, p[rows, cur])
+        # (p' itself stands in for a residual without mass: a rejection with probability 0)
+        p_rej, q_rej = _after_rejection(p_c, q, x, p_c)
         take, drop = tried & ok, tried & ~ok
-        p_c = jnp.where(take[:, None], p[:, j], jnp.where(drop[:, None], p_rej, p_c))
+        p_c = jnp.where(drop[:, None], p_rej, p_c)
         q_c = jnp.where(drop[:, None], q_rej, q_c)
         src = jnp.where(drop & new, j, src)
-        return jnp.where(take, j, cur), p_c, q_c, src, jnp.where(tried, take, fresh)
+        carry = jnp.where(take, j, cur), p_c, q_c, src, jnp.where(tried, take, fresh)
+        return _only_if(jnp.any(take), lambda c: (  # p' at an accepted node: p there
+            c[0], jnp.where(take[:, None], p_at(j), c[1]), *c[2:]),
+            carry)
 
     zero = jnp.zeros((b,), jnp.int32)
-    init = (zero, p[:, 0], jnp.zeros_like(p[:, 0]), zero, jnp.ones((b,), bool))
+    p_root = p_at(0)
+    init = (zero, p_root, jnp.zeros_like(p_root), zero, jnp.ones((b,), bool))
     cur, p_c, *_ = jax.lax.fori_loop(1, t, try_node, init)
     # p' is the residual after rejected children, or p at a leaf (the bonus).
     nxt = jax.vmap(categorical)(next_keys, jnp.log(p_c))
     return AcceptResult(_path_to(tree, cur), tree.depth[rows, cur].astype(jnp.int32), nxt)
 
 
+def _earlier_siblings(tree: DraftTree):
+    """bool[B, T, T]: [b, j, k] iff k < j and nodes j and k share a parent."""
+    t = tree.size
+    earlier = jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
+    return (tree.parent[:, :, None] == tree.parent[:, None, :]) & earlier
+
+
 def _sibling_groups(tree: DraftTree):
     """bool[B, T]: node j continues the draws of its previous valid sibling (same q row), so
     after that sibling's rejection it is a draw from q without the rejected tokens."""
-    b, t = tree.tokens.shape
-    earlier = jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
-    sib = ((tree.parent[:, :, None] == tree.parent[:, None, :]) & tree.valid[:, None, :]
-           & earlier & (tree.parent[:, :, None] >= 0))
+    t = tree.size
+    sib = _earlier_siblings(tree) & tree.valid[:, None, :] & (tree.parent[:, :, None] >= 0)
     prev = jnp.argmax(jnp.where(sib, jnp.arange(t)[None, None, :], -1), axis=2)
     logq = tree.draft_logprobs
     prev_q = jnp.take_along_axis(logq, prev[:, :, None], axis=1)
@@ -261,7 +300,8 @@ def accept_traversal(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
     A path accepted by `recursive` is accepted here too with at least that probability, since
     min(1, a r) >= min(1, a) min(1, r).
     """
-    u, next_keys, p = _drawn_tree_inputs("traversal", tree, logits, keys, sampling)
+    u, next_keys = _drawn_tree_inputs("traversal", tree, keys)
+    p = _target_probs(logits, sampling)
     b, t = tree.tokens.shape
     rows = jnp.arange(b)
     logq = tree.draft_logprobs
@@ -270,11 +310,13 @@ def accept_traversal(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
     anc = ancestor_mask(tree)
     same = _sibling_groups(tree)
     q_own = jnp.exp(jnp.take_along_axis(logq, tok[:, :, None], axis=2)[..., 0].astype(jnp.float32))
-    earlier = jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
-    siblings = (tree.parent[:, :, None] == tree.parent[:, None, :]) & earlier
+    siblings = _earlier_siblings(tree)
     bound = lambda x: jnp.clip(jnp.log(x), -1e4, 1e4)  # noqa: E731  finite log-ratios
 
-    def try_leaf(i, carry):
+    def try_leaf(i, carry):  # once every row has accepted a node, the rest is skipped
+        return _only_if(~jnp.all(carry[1]), lambda c: try_next(i, c), carry)
+
+    def try_next(i, carry):
         deleted, done, final, p_c, q_c, was_set, w_set = carry
         active = tree.valid & ~deleted
         first = active & ~jnp.any(siblings & active[:, None, :], axis=2)  # first active child

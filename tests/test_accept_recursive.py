@@ -266,6 +266,33 @@ def test_batched_rows_equal_single_rows():
     check_batched_rows_equal_single_rows(accept_recursive, seed=5)
 
 
+@pytest.mark.parametrize("rule", ["recursive", "traversal"])
+def test_cpu_program_equals_gpu_program(rule, monkeypatch):
+    """On XLA:CPU the walks skip the work of nodes no row tries by conditionals; the program
+    traced for a GPU has none and does that work for every node: both give the same results."""
+    rng = np.random.default_rng(9)
+    tree = random_trees(rng)
+    b, t = tree.tokens.shape
+    logits = jnp.asarray(2.0 * rng.standard_normal((b, t, V)), jnp.float32)
+
+    def program():  # a new function each time, so that it is traced anew
+        def run(k):
+            return accept(tree, logits, k, S_PLAIN, rule)
+        return jax.make_jaxpr(run)(keys_of(jax.random.PRNGKey(0), b)), jax.jit(run)
+
+    results = {}
+    for on_cpu in (True, False):
+        monkeypatch.setattr(accept_mod, "on_cpu_path", lambda on_cpu=on_cpu: on_cpu)
+        jaxpr, run = program()
+        assert (" cond[" in str(jaxpr)) == on_cpu
+        results[on_cpu] = [run(keys_of(jax.random.PRNGKey(n), b)) for n in range(8)]
+    for cpu, gpu in zip(results[True], results[False]):
+        for got, want in zip((cpu.path, cpu.n_accepted, cpu.next_token),
+                             (gpu.path, gpu.n_accepted, gpu.next_token)):
+            np.testing.assert_array_equal(got, want)
+    assert max(int(r.n_accepted.max()) for r in results[True]) >= 1
+
+
 def accepted_on_same_trees(tables, rules, seed: int, n: int = 1 << 16):
     """n_accepted [n] of each rule on the same n trees and keys at temperature 1."""
 
