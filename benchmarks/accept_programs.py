@@ -1,13 +1,15 @@
-"""Decode time of the two programs of the drawn-tree walks, side by side in one process.
+"""Decode time of the two programs of the sampled acceptance walks, side by side in one process.
 
 On XLA:CPU `recursive` and `traversal` skip, by conditionals, the vocabulary-sized work of the
-nodes no row tries, and `recursive` computes the target's p only at the nodes it accepts; the
-program traced for a GPU runs that work for every node (`specjax.accept._only_if`). Both give
-the same tokens (tests/test_accept_recursive.py), so the decode steps are the same and their
-times differ by the walk alone. Each prompt runs both programs, in alternating order.
+nodes no row tries, `recursive` computes the target's p only at the nodes it accepts, and
+`match` draws only at the nodes it reaches; the program traced for a GPU does that work for
+every node (`specjax.accept._only_if`). Both give the same tokens
+(tests/test_accept_recursive.py), so the decode steps are the same and their times differ by
+the walk alone. Each prompt runs both programs, in alternating order.
 
     python benchmarks/accept_programs.py --temperature 1 --limit 5
     python benchmarks/accept_programs.py --temperature 0.7 --top-k 50 --top-p 0.9 --limit 5
+    python benchmarks/accept_programs.py --method pld --temperature 0.7 --top-k 50 --top-p 0.9 --limit 2
 """
 
 from __future__ import annotations

@@ -49,13 +49,17 @@ class AcceptResult:
     next_token: jax.Array  # int32[B]: correction or bonus token, the next pending token
 
 
+def _node_keys(keys, t: int):
+    """[B, T] keys: one per node of each sequence's tree, for the target's draw there."""
+    return jax.vmap(lambda k: jax.random.split(k, t))(keys)
+
+
 def _node_draws(logits, keys, sampling: SamplingConfig, logp=None):
     """One target draw per node: argmax when greedy, else a sample from the processed p
     (logp: processed_logprobs(logits) when the caller has it already)."""
     if sampling.greedy:
         return argmax_last(logits)
-    t = logits.shape[1]
-    node_keys = jax.vmap(lambda k: jax.random.split(k, t))(keys)  # [B, T] keys
+    node_keys = _node_keys(keys, logits.shape[1])
     if logp is None:
         logp = processed_logprobs(logits, sampling)
     return jax.vmap(jax.vmap(categorical))(node_keys, logp)
@@ -91,7 +95,31 @@ def _follow(tree: DraftTree, ok, draws) -> AcceptResult:
 
 def accept_match(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
     """The `match` rule over any tree (greedy when sampling.greedy); keys: one per sequence."""
-    return accept_draws(tree, _node_draws(logits, keys, sampling))
+    if sampling.greedy or not on_cpu_path():
+        return accept_draws(tree, _node_draws(logits, keys, sampling))
+    return _walk_match(tree, logits, keys, sampling)
+
+
+def _walk_match(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> AcceptResult:
+    """The `match` rule when sampling on XLA:CPU: the draws of _node_draws, made only at the root
+    and the nodes matched (a draw costs a log-softmax over the vocabulary, and with top-p 32
+    passes more); one pass in index order takes the first acceptable child of the current node
+    whose token is the current draw, as accept_draws' first-of-equal-siblings does."""
+    b, t = tree.tokens.shape
+    node_keys = _node_keys(keys, t)
+    ok = acceptable_nodes(tree)
+
+    def draw(j):
+        return jax.vmap(categorical)(node_keys[:, j], processed_logprobs(logits[:, j], sampling))
+
+    def try_node(j, carry):
+        cur, y = carry
+        take = ok[:, j] & (tree.parent[:, j] == cur) & (tree.tokens[:, j] == y)
+        return _only_if(jnp.any(take), lambda c: (jnp.where(take, j, c[0]),
+                                                  jnp.where(take, draw(j), c[1])), carry)
+
+    cur, y = jax.lax.fori_loop(1, t, try_node, (jnp.zeros((b,), jnp.int32), draw(0)))
+    return AcceptResult(_path_to(tree, cur), tree.depth[jnp.arange(b), cur].astype(jnp.int32), y)
 
 
 def accept_draws(tree: DraftTree, y) -> AcceptResult:

@@ -266,14 +266,18 @@ def test_batched_rows_equal_single_rows():
     check_batched_rows_equal_single_rows(accept_recursive, seed=5)
 
 
-@pytest.mark.parametrize("rule", ["recursive", "traversal"])
+@pytest.mark.parametrize("rule", ["match", "recursive", "traversal"])
 def test_cpu_program_equals_gpu_program(rule, monkeypatch):
-    """On XLA:CPU the walks skip the work of nodes no row tries by conditionals; the program
-    traced for a GPU has none and does that work for every node: both give the same results."""
+    """On XLA:CPU the walks skip the work of nodes no row tries by conditionals (`match` draws
+    only at the nodes it reaches); the program traced for a GPU has none and does that work
+    for every node: both give the same results."""
     rng = np.random.default_rng(9)
     tree = random_trees(rng)
     b, t = tree.tokens.shape
     logits = jnp.asarray(2.0 * rng.standard_normal((b, t, V)), jnp.float32)
+    child = (tree.parent >= 0) & tree.valid  # the drafted tokens made likely, so `match` accepts
+    logits = logits.at[jnp.arange(b)[:, None], jnp.clip(tree.parent, 0), tree.tokens].add(
+        jnp.where(child, 3.0, 0.0))
 
     def program():  # a new function each time, so that it is traced anew
         def run(k):

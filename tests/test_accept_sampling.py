@@ -304,11 +304,9 @@ def accept_first_draft_unchecked(tree, logits, keys, sampling, rule="match", **o
     return AcceptResult(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), n, nxt)
 
 
-def shared_key_draws(logits, keys, sampling):
-    """`_node_draws` with one key for all nodes of a tree: correlated draws."""
-    logp = processed_logprobs(logits, sampling)
-    return jax.vmap(lambda k, lp: jax.vmap(lambda l: jax.random.categorical(k, l))(lp))(
-        keys, logp).astype(jnp.int32)
+def shared_node_keys(keys, t):
+    """`_node_keys` with one key for all nodes of a tree: correlated draws."""
+    return jnp.broadcast_to(keys[:, None], (keys.shape[0], t) + keys.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +352,7 @@ def test_match_rule_with_greedy_drafts_is_lossless(tables, monkeypatch):
     assert chi2_pvalue(x1, x2, joint) > P_OK
     y2, y3, _ = sample_second_third(rule_match, make, tables, S_HOT, seed=21)
     assert chi2_pvalue(y2, y3, exact_second_third(p_table, S_HOT)) > P_OK
-    monkeypatch.setattr(accept_mod, "_node_draws", shared_key_draws)
+    monkeypatch.setattr(accept_mod, "_node_keys", shared_node_keys)
     xb1, xb2, _ = sample_first_two(rule_match, make, tables, S_HOT, seed=20)
     assert chi2_pvalue(xb1, xb2, joint) < P_BROKEN
 
@@ -373,7 +371,7 @@ def test_match_rule_over_sibling_tree_is_lossless(tables, monkeypatch):
     y2, y3, m1 = sample_second_third(rule_match, make, tables, S_TOPK, seed=31)
     assert (m1 == 2).mean() > 0.1  # bonus tokens after depth-2 paths among the scored thirds
     assert chi2_pvalue(y2, y3, exact_second_third(p_table, S_TOPK)) > P_OK
-    monkeypatch.setattr(accept_mod, "_node_draws", shared_key_draws)
+    monkeypatch.setattr(accept_mod, "_node_keys", shared_node_keys)
     xb1, xb2, _ = sample_first_two(rule_match, make, tables, S_TOPK, seed=30)
     assert chi2_pvalue(xb1, xb2, joint) < P_BROKEN
 
