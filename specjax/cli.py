@@ -11,6 +11,7 @@ import os
 import sys
 
 from specjax import settings
+from specjax.draft_tree import TREE_RULES
 from specjax.method_configs import METHODS, MethodError
 from specjax.methods import as_flags
 from specjax.prompts import encode_prompt, read_prompt_file  # noqa: F401  (encode_prompt: public here)
@@ -125,7 +126,7 @@ def _add_method_args(p):
                         "decoding_defaults, else 0); steps with unlikely drafts run narrower, "
                         "down to a plain decode step. Top-k trees only (greedy, or sampling "
                         "with --acceptance match)")
-    e.add_argument("--acceptance", choices=("match", "recursive", "traversal"), default=None,
+    e.add_argument("--acceptance", choices=TREE_RULES, default=None,
                    help="medusa and eagle methods, when sampling: recursive (children drawn "
                         "without replacement from the draft, recursive rejection sampling; the "
                         "default where the tree allows), traversal (the same trees verified "

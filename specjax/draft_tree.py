@@ -59,6 +59,8 @@ def skipped_draw(paths: Sequence[Sequence[int]]) -> tuple | None:
 
 # Rules that verify trees drawn from the draft's q (a node's children: its first draws).
 DRAWN_RULES = ("recursive", "traversal")
+# The lossless tree rules: `match` (top-k children, the target's sample must equal one) and these.
+TREE_RULES = ("match", *DRAWN_RULES)
 
 
 def one_parent_per_depth(paths: Sequence[Sequence[int]]) -> bool:

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+from specjax.draft_tree import TREE_RULES
+
 
 class MethodError(ValueError):
     """Unknown method or options that do not fit it. Messages name options in backquotes
@@ -64,8 +66,9 @@ class LookaheadConfig:
 
 def check_acceptance(rule: str | None) -> None:
     """Refuse an `acceptance` rule that is not one of the lossless tree rules."""
-    if rule not in (None, "match", "recursive", "traversal"):
-        raise MethodError(f"`acceptance` is match, recursive or traversal, not {rule!r}")
+    if rule is not None and rule not in TREE_RULES:
+        names = f"{', '.join(TREE_RULES[:-1])} or {TREE_RULES[-1]}"
+        raise MethodError(f"`acceptance` is {names}, not {rule!r}")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from flax import struct
 from specjax.cache import PagedKVCache, init_pages
 from specjax.config import ModelConfig
 from specjax.cpu.top_k import top_log_probs
-from specjax.draft_tree import (DRAWN_RULES, DraftTree, chain, check_confidence_floor,
+from specjax.draft_tree import (DRAWN_RULES, TREE_RULES, DraftTree, chain, check_confidence_floor,
                                 check_recursive_tree, drawn_static_tree, on_vocabulary,
                                 reaches_floor, static_draft_tree, static_tree)
 from specjax.model import causal_mask
@@ -242,7 +242,7 @@ class EagleTreeProposer(_EagleBase):
 
     eagle_choices: tuple = EAGLE_DEFAULT_TREE
     is_chain: bool = False
-    rules = ("match", *DRAWN_RULES)  # recursive, traversal: trees drawn from q when sampling
+    rules = TREE_RULES  # recursive, traversal: trees drawn from q when sampling
 
     def __post_init__(self):
         super().__post_init__()
@@ -328,7 +328,7 @@ class EagleDynamicProposer(_EagleBase):
     depth: int = 5
     top_k: int = 8
     is_chain: bool = False
-    rules = ("match", *DRAWN_RULES)  # recursive, traversal: trees drawn from q when sampling
+    rules = TREE_RULES  # recursive, traversal: trees drawn from q when sampling
 
     def __post_init__(self):
         super().__post_init__()

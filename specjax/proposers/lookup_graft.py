@@ -20,7 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from specjax.accept import acceptable_nodes
-from specjax.draft_tree import DRAWN_RULES, DraftTree
+from specjax.draft_tree import DRAWN_RULES, TREE_RULES, DraftTree
 from specjax.proposers.prompt_lookup import PromptLookupProposer
 from specjax.spec_decode import ProposerBase
 
@@ -98,7 +98,7 @@ class LookupGraftProposer(ProposerBase):
     width: int | None = None
 
     def __post_init__(self):
-        if self.base.rule not in ("match", *DRAWN_RULES) or self.base.rule_options:
+        if self.base.rule not in TREE_RULES or self.base.rule_options:
             raise ValueError("a prompt-lookup graft needs a proposer verified with the lossless "
                              f"`match`, `recursive` or `traversal` rule, not {self.base.rule!r}")
         if self.width is not None and self.base.rule in DRAWN_RULES:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.draft_tree import (DRAWN_RULES, check_confidence_floor, check_recursive_tree,
+from specjax.draft_tree import (DRAWN_RULES, TREE_RULES, check_confidence_floor, check_recursive_tree,
                                 drawn_static_tree, on_vocabulary, one_parent_per_depth,
                                 reaches_floor, static_draft_tree, static_tree)
 from specjax.model import head_logits
@@ -128,7 +128,7 @@ class MedusaProposer(ProposerBase):
 
     @property
     def rules(self) -> tuple[str, ...]:
-        return ("match", *DRAWN_RULES) if self.posterior_threshold is None else ("typical",)
+        return TREE_RULES if self.posterior_threshold is None else ("typical",)
 
     @property
     def rule_options(self) -> dict:
@@ -144,7 +144,7 @@ class MedusaProposer(ProposerBase):
                 0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
             raise ValueError("posterior_threshold and posterior_alpha must be in (0, 1]")
         check_confidence_floor(self.min_prob)
-        if self.acceptance not in ("match", *DRAWN_RULES):
+        if self.acceptance not in TREE_RULES:
             raise ValueError(f"Medusa verifies with the match, recursive or traversal rule, "
                              f"not {self.acceptance!r}")
         if self.acceptance in DRAWN_RULES:
