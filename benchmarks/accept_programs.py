@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import specjax.accept as accept_mod  # noqa: E402
 from specjax import Engine, SamplingConfig, load_model  # noqa: E402
 from specjax.bench import read_bench_prompts  # noqa: E402
+from common import add_sampled_decoding_args  # noqa: E402
 from specjax.methods import make_proposer  # noqa: E402
 from specjax.prompts import encode_prompt  # noqa: E402
 
@@ -35,12 +36,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="eagle2")
     ap.add_argument("--option", action="append", default=[], help="KEY=VALUE for the proposer")
-    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/dev_prompts.jsonl"))
-    ap.add_argument("--limit", type=int, default=5, help="prompts per category")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
+    add_sampled_decoding_args(ap)
     args = ap.parse_args(argv)
     if args.temperature <= 0:
         ap.error("--temperature must be > 0: greedy decoding does not walk drawn trees")

@@ -87,9 +87,51 @@ def argmax_last(x, block: int = 1024):
 
 
 def categorical(key, logits):
-    """One draw from softmax(logits) over the last axis: the same draw as
-    jax.random.categorical(key, logits) (argmax of logits plus Gumbel noise), through argmax_last."""
+    """One draw from softmax(logits) over the last axis (one key for all of logits' rows; a row
+    without a finite logit gives 0). On a GPU it is jax.random.categorical's draw (the argmax of
+    logits plus Gumbel noise); on XLA:CPU `inverse_cdf_draw`'s, from the same law, since the
+    Gumbel noise is what costs there."""
+    if on_cpu_path():
+        return inverse_cdf_draw(key, logits)
+    return gumbel_max_draw(key, logits)
+
+
+def gumbel_max_draw(key, logits):
+    """jax.random.categorical(key, logits)'s draw: argmax of logits plus Gumbel noise."""
     return argmax_last(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+
+
+def _cumulative_pick(w, u):
+    """int32 index along the last axis of w >= 0 where u * sum(w) falls in w's cumulative sum: i
+    with probability w[i] / sum(w) for u uniform in [0, 1). Never an entry without mass (when
+    rounding puts u * sum(w) at the end, the last entry with mass; 0 when none has mass)."""
+    c = jnp.cumsum(w, axis=-1)
+    i = jnp.sum(c <= u[..., None] * c[..., -1:], axis=-1)
+    has = w > 0
+    last = w.shape[-1] - 1 - jnp.argmax(jnp.flip(has, axis=-1), axis=-1)
+    return jnp.minimum(i, jnp.where(jnp.any(has, axis=-1), last, 0)).astype(jnp.int32)
+
+
+def inverse_cdf_draw(key, logits, block: int = 256):
+    """One draw from softmax(logits) over the last axis by inverting its cumulative sum, in two
+    levels: a block of `block` tokens by the blocks' masses, then a token inside it, each from
+    its own uniform (a multiple of 2**-23: each level resolves its probabilities to that share
+    of its mass, to within float32 rounding of sums over a few hundred values).
+
+    Two uniforms replace the V Gumbel samples of gumbel_max_draw: on XLA:CPU (AMD EPYC, 2 cores)
+    0.19 ms instead of 0.82 ms for one 49152-logit row, a draw every sampled token pays.
+    """
+    v = logits.shape[-1]
+    n = -(-v // block)
+    x = logits.astype(jnp.float32)
+    if n * block != v:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * block - v)], constant_values=-jnp.inf)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    w = jnp.exp(x - jnp.where(jnp.isfinite(top), top, 0.0)).reshape(x.shape[:-1] + (n, block))
+    u = jax.random.uniform(key, (2,) + x.shape[:-1])
+    b = _cumulative_pick(jnp.sum(w, axis=-1), u[0])
+    inside = jnp.take_along_axis(w, b[..., None, None], axis=-2)[..., 0, :]
+    return b * block + _cumulative_pick(inside, u[1])
 
 
 def gumbel_top_k(keys, logq, k: int):
@@ -100,7 +142,7 @@ def gumbel_top_k(keys, logq, k: int):
 
     The Gumbel-top-k trick: the order of logq plus Gumbel noise, largest first, is a sequence of
     draws without replacement, so its first k are the first k draws (the first is
-    `categorical`'s draw with the same key). The values drive stochastic beam search (EAGLE's
+    `gumbel_max_draw`'s with the same key). The values drive stochastic beam search (EAGLE's
     trees for the `recursive` rule). The top k of all rows run in one call of the CPU kernel
     where it runs (XLA:CPU's top_k sorts the whole row).
     """

@@ -23,7 +23,7 @@ import specjax.accept as accept_mod
 from specjax import SamplingConfig
 from specjax.accept import accept, accept_recursive
 from specjax.draft_tree import DraftTree
-from specjax.sampling import categorical, gumbel_top_k, processed_logprobs
+from specjax.sampling import categorical, gumbel_max_draw, gumbel_top_k, processed_logprobs
 from tests.test_accept_sampling import (DEPTH, N, P_BROKEN, P_OK, chi2_pvalue, exact_first_three,
                                         exact_first_two, keys_of, lookup, sample_first_three)
 
@@ -159,7 +159,7 @@ def conditional_pvalue(tables, sampling, x1, x2, x3):
 
 def test_gumbel_top_k_draws_without_replacement():
     """The first three of k draws match the law of draws without replacement, the first is
-    `categorical`'s draw with the same key, and -inf tokens come last, with -inf values."""
+    the Gumbel-max draw with the same key, and -inf tokens come last, with -inf values."""
     rng = np.random.default_rng(3)
     full = jax.nn.log_softmax(jnp.asarray(1.2 * rng.standard_normal(V), jnp.float32))
     cut = full.at[jnp.asarray([1, 4, 6])].set(-jnp.inf)  # 5 finite tokens
@@ -178,7 +178,7 @@ def test_gumbel_top_k_draws_without_replacement():
         assert finite[tokens[:, :finite.sum()]].all()
         real = tokens[:, :finite.sum()]
         assert (np.diff(np.sort(real, axis=1), axis=1) > 0).all()  # distinct draws
-    first = jax.jit(jax.vmap(lambda key: categorical(key, full)))(keys)
+    first = jax.jit(jax.vmap(lambda key: gumbel_max_draw(key, full)))(keys)
     assert (np.asarray(first) == np.asarray(jax.jit(jax.vmap(lambda key: gumbel_top_k(key, full, 1)[0][0]))(keys))).all()
 
 

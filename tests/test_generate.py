@@ -116,10 +116,11 @@ def test_top_p_mask_equals_the_sorted_rule(top_p):
     np.testing.assert_array_equal(np.asarray(top_p_mask(jnp.asarray(logits), top_p)), want)
 
 
-def test_argmax_last_and_categorical_give_what_jax_gives():
-    """argmax_last is jnp.argmax (first of ties, NaN largest, all--inf rows) and categorical draws
-    exactly jax.random.categorical's tokens (same keys), masked rows included."""
-    from specjax.sampling import argmax_last, categorical
+def test_argmax_last_and_gumbel_max_draw_give_what_jax_gives():
+    """argmax_last is jnp.argmax (first of ties, NaN largest, all--inf rows) and gumbel_max_draw
+    (`categorical` on a GPU) draws exactly jax.random.categorical's tokens (same keys), masked
+    rows included."""
+    from specjax.sampling import argmax_last, gumbel_max_draw
 
     rng = np.random.default_rng(2)
     rows = np.stack([rng.normal(size=500) * 3, np.round(rng.normal(size=500)),
@@ -147,10 +148,42 @@ def test_argmax_last_and_categorical_give_what_jax_gives():
                                       err_msg=f"width {width}, block {block}")
     keys = jax.random.split(jax.random.PRNGKey(3), 400)
     finite = x[:3]
-    got = jax.vmap(lambda k: categorical(k, finite))(keys)
+    got = jax.vmap(lambda k: gumbel_max_draw(k, finite))(keys)
     want = jax.vmap(lambda k: jax.random.categorical(k, finite))(keys)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert len(set(np.asarray(got)[:, 0].tolist())) > 20  # the draws vary with the key
+
+
+def test_inverse_cdf_draw_follows_softmax():
+    """`categorical` on XLA:CPU (inverse_cdf_draw): 2**18 draws per row follow softmax(logits)
+    by chi-square (the sampling tests' N and thresholds), one key drawing every row,
+    with a vocabulary that does not fill its last block, a row mostly -inf, one whose mass sits
+    in one token of a late block, and one with no finite logit (token 0). A draw from a
+    distribution 3% off in temperature is caught; tokens without mass are never drawn."""
+    from specjax.sampling import categorical, inverse_cdf_draw
+    from tests.test_accept_sampling import N, P_BROKEN, P_OK, chi2_pvalue
+
+    v, block = 1000, 64  # 16 blocks, the last one 40 tokens short
+    rng = np.random.default_rng(4)
+    rows = np.stack([rng.normal(size=v) * 2,
+                     np.where(rng.random(v) < 0.9, -np.inf, rng.normal(size=v)),
+                     np.where(np.arange(v) == 990, 6.0, np.where(np.arange(v) < 500, -np.inf, 0.0)),
+                     np.full(v, -np.inf)]).astype(np.float32)
+    logits = jnp.asarray(rows)
+    keys = jax.random.split(jax.random.PRNGKey(5), N)
+    draw = jax.jit(jax.vmap(lambda k, x: inverse_cdf_draw(k, x, block), in_axes=(0, None)))
+    got = np.asarray(draw(keys, logits))  # [N, 4]
+    assert (got[:, 3] == 0).all() and ((0 <= got) & (got < v)).all()
+    probs = np.exp(rows[:3].astype(np.float64) - rows[:3].max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    for r in range(3):
+        assert chi2_pvalue(np.zeros(N, int), got[:, r], probs[r][None]) > P_OK, f"row {r}"
+    hot = np.asarray(draw(keys, logits[:1] / 0.97))[:, 0]
+    assert chi2_pvalue(np.zeros(N, int), hot, probs[0][None]) < P_BROKEN
+    assert len(set(got[:, 0].tolist())) > 200
+    # on the CPU, categorical is this draw (same key, same token)
+    one = jax.jit(lambda k: (categorical(k, logits), inverse_cdf_draw(k, logits)))(keys[0])
+    np.testing.assert_array_equal(*map(np.asarray, one))
 
 
 def test_sample_distribution_chi_square():
