@@ -122,12 +122,13 @@ def inverse_cdf_draw(key, logits, block: int = 256):
     0.19 ms instead of 0.82 ms for one 49152-logit row, a draw every sampled token pays.
     """
     v = logits.shape[-1]
-    n = -(-v // block)
     x = logits.astype(jnp.float32)
-    if n * block != v:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * block - v)], constant_values=-jnp.inf)
     top = jnp.max(x, axis=-1, keepdims=True)
-    w = jnp.exp(x - jnp.where(jnp.isfinite(top), top, 0.0)).reshape(x.shape[:-1] + (n, block))
+    w = jnp.exp(x - jnp.where(jnp.isfinite(top), top, 0.0))
+    if v <= block:  # one level: padding a small vocabulary to a block would multiply the work
+        return _cumulative_pick(w, jax.random.uniform(key, x.shape[:-1]))
+    n = -(-v // block)
+    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, n * block - v)]).reshape(w.shape[:-1] + (n, block))
     u = jax.random.uniform(key, (2,) + x.shape[:-1])
     b = _cumulative_pick(jnp.sum(w, axis=-1), u[0])
     inside = jnp.take_along_axis(w, b[..., None, None], axis=-2)[..., 0, :]

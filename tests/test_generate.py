@@ -158,8 +158,9 @@ def test_inverse_cdf_draw_follows_softmax():
     """`categorical` on XLA:CPU (inverse_cdf_draw): 2**18 draws per row follow softmax(logits)
     by chi-square (the sampling tests' N and thresholds), one key drawing every row,
     with a vocabulary that does not fill its last block, a row mostly -inf, one whose mass sits
-    in one token of a late block, and one with no finite logit (token 0). A draw from a
-    distribution 3% off in temperature is caught; tokens without mass are never drawn."""
+    in one token of a late block, and one with no finite logit (token 0), and a vocabulary
+    within one block (one level). A draw from a distribution 3% off in temperature is caught;
+    tokens without mass are never drawn."""
     from specjax.sampling import categorical, inverse_cdf_draw
     from tests.test_accept_sampling import N, P_BROKEN, P_OK, chi2_pvalue
 
@@ -181,6 +182,12 @@ def test_inverse_cdf_draw_follows_softmax():
     hot = np.asarray(draw(keys, logits[:1] / 0.97))[:, 0]
     assert chi2_pvalue(np.zeros(N, int), hot, probs[0][None]) < P_BROKEN
     assert len(set(got[:, 0].tolist())) > 200
+    small = np.asarray(draw(keys, logits[:, :48]))  # a vocabulary within one block: one level
+    assert (small[:, 3] == 0).all()
+    cut = np.exp(rows[0, :48].astype(np.float64) - rows[0, :48].max())
+    assert chi2_pvalue(np.zeros(N, int), small[:, 0], (cut / cut.sum())[None]) > P_OK
+    hot = np.asarray(draw(keys, logits[:1, :48] / 0.97))[:, 0]
+    assert chi2_pvalue(np.zeros(N, int), hot, (cut / cut.sum())[None]) < P_BROKEN
     # on the CPU, categorical is this draw (same key, same token)
     one = jax.jit(lambda k: (categorical(k, logits), inverse_cdf_draw(k, logits)))(keys[0])
     np.testing.assert_array_equal(*map(np.asarray, one))
