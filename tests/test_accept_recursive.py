@@ -25,7 +25,8 @@ from specjax.accept import accept, accept_recursive
 from specjax.draft_tree import DraftTree
 from specjax.sampling import categorical, gumbel_max_draw, gumbel_top_k, processed_logprobs
 from tests.test_accept_sampling import (DEPTH, N, P_BROKEN, P_OK, chi2_pvalue, exact_first_three,
-                                        exact_first_two, keys_of, lookup, sample_first_three)
+                                        exact_first_two, jit_optimised, keys_of, lookup,
+                                        sample_first_three)
 
 V = 8
 K1, K2 = 3, 2  # root children, children of each
@@ -300,7 +301,7 @@ def test_cpu_program_equals_gpu_program(rule, monkeypatch):
 def accepted_on_same_trees(tables, rules, seed: int, n: int = 1 << 16):
     """n_accepted [n] of each rule on the same n trees and keys at temperature 1."""
 
-    @jax.jit
+    @jit_optimised
     def run(key, tabs):
         k1, k2 = jax.random.split(key)
         tree, logits = tree_maker(S_PLAIN)(tabs, jnp.zeros((n, 0), jnp.int32), keys_of(k1, n))
