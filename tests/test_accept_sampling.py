@@ -493,13 +493,17 @@ def _eagle_chain_oracle(target):
                               "lm_head": lm_head_weight(target)}
 
 
-@pytest.mark.parametrize("method", ["pld", "draft-residual", "draft-greedy", "medusa", "eagle",
-                                    "eagle2", "eagle2-floor", "eagle3", "redrafter", "eagle2-lookup",
-                                    "eagle2-recursive", "eagle3-recursive",
-                                    "eagle2-recursive-lookup", "medusa-recursive",
-                                    "eagle-recursive", "medusa-recursive-lookup",
-                                    "eagle-traversal", "eagle2-traversal-lookup",
-                                    "medusa-traversal", "eagle-chain"])
+# The default tier runs every proposer and every rule once, with the sampling default (EAGLE-2,
+# `recursive`, the graft); the other pairings are `slow` (~45 s each on a 2-core guest).
+E2E_METHODS = ["pld", "draft-residual", "draft-greedy", "eagle-recursive", "eagle2-floor",
+               "eagle2-recursive-lookup", "eagle2-traversal-lookup", "eagle3-recursive",
+               "medusa-recursive", "redrafter", "eagle-chain"]
+E2E_SLOW = ["medusa", "eagle", "eagle2", "eagle3", "eagle2-lookup", "eagle2-recursive",
+            "medusa-recursive-lookup", "eagle-traversal", "medusa-traversal"]
+
+
+@pytest.mark.parametrize("method", E2E_METHODS + [pytest.param(m, marks=pytest.mark.slow)
+                                                  for m in E2E_SLOW])
 def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     """Each method through Engine.generate, 20480 seeds: the first two tokens against the
     target's distribution; then, as a control, the same run with the first draft emitted

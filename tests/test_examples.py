@@ -81,6 +81,7 @@ def test_custom_loop_equals_specjax_generate(cli_eagle2, newline_ids):
     assert rec["mean_accepted"] >= 1 and rec["tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # test_speculative and test_sharding prove what it runs
 def test_generate_example_runs_every_smoke_method():
     out = run(sys.executable, EXAMPLES / "generate.py")
     text = next(l for l in out.splitlines() if l.startswith("text="))
@@ -106,6 +107,7 @@ def test_convert_hf_example(tmp_path):
         assert r["same_as_vanilla"] is True, r
 
 
+@pytest.mark.slow  # test_speculative and test_sharding prove what it runs
 def test_sharded_example(cli_eagle2):
     out = run(sys.executable, EXAMPLES / "sharded.py")
     assert "devices=8 mesh={'data': 2, 'model': 3}" in out

@@ -57,10 +57,9 @@ def test_without_gpu_says_so_in_one_line():
     assert "no CUDA GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tp,dp,methods", [
+@pytest.mark.parametrize("tp,dp,methods", [  # every method's programs lowered in the default tier
     (2, 1, "vanilla,draft,pld,medusa,eagle,eagle2,eagle3,redrafter,lookahead"),
-    (2, 2, "vanilla,eagle2"),
+    pytest.param(2, 2, "vanilla,eagle2", marks=pytest.mark.slow),
 ])
 def test_preflight_lowers_every_program_for_cuda(tp, dp, methods):
     """Every program holds the kernel, and on a mesh each device's kernel reads only its own KV

@@ -20,7 +20,6 @@ def smol():
     return load_model("smollm2-135m")
 
 
-@pytest.mark.slow
 def test_greedy_matches_transformers_generate(smol):
     from transformers import LlamaForCausalLM
 
@@ -41,7 +40,6 @@ def test_greedy_matches_transformers_generate(smol):
         assert len(got) == 32
 
 
-@pytest.mark.slow
 def test_config_of_embedded_model(smol):
     c = smol.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
@@ -96,12 +94,13 @@ def test_speculative_greedy_equals_vanilla(smol, method, options):
     assert sum(batched.steps) < sum(vanilla.steps)  # the drafts were accepted at least sometimes
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method,options", [
-    ("medusa", {}), ("eagle", {}),
+@pytest.mark.parametrize("method,options", [  # EAGLE-2, the default, in the default tier
+    pytest.param("medusa", {}, marks=pytest.mark.slow), pytest.param("eagle", {}, marks=pytest.mark.slow),
     ("eagle2", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4}),
-    ("eagle3", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4}),
-    ("redrafter", {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 4})])
+    pytest.param("eagle3", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4},
+                 marks=pytest.mark.slow),
+    pytest.param("redrafter", {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 4},
+                 marks=pytest.mark.slow)])
 def test_head_methods_greedy_equals_vanilla(smol, method, options, tmp_path):
     """Correctness does not depend on head quality: random heads, same tokens as vanilla."""
     from specjax.methods import make_proposer
@@ -116,7 +115,6 @@ def test_head_methods_greedy_equals_vanilla(smol, method, options, tmp_path):
         assert_same_or_near_tie(smol, prompt, want, got)
 
 
-@pytest.mark.slow
 def test_methods_without_options_run_the_documented_defaults(smol):
     """`specjax generate --method M` on the embedded model builds what the README and
     docs/methods.md call M's default on a CPU: the shipped heads' recommended settings, a
