@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -126,9 +127,12 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None,
     config, hf_config = read_config(path)
     from specjax.cpu.matmul import kernel_in_use, pack_params
 
+    pieces = param_pieces(path, config, np.dtype(dtype))
+    # The first piece opens the checkpoint's files and checks them, so a broken checkpoint is
+    # reported before the CPU kernels are built (tens of seconds the first time).
+    first = next(pieces)
     pack = pack and mesh is None and np.dtype(dtype) == np.float32 and kernel_in_use()
-    params = assemble_params(param_pieces(path, config, np.dtype(dtype)),
-                             _placer(config, mesh, pack))
+    params = assemble_params(itertools.chain([first], pieces), _placer(config, mesh, pack))
     if pack:
         params = pack_params(params)  # the output head (the layers are packed already)
     from convert.registry import is_embedded
