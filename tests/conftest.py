@@ -74,6 +74,27 @@ def _drop_compiled_programs():
         gc.collect()
 
 
+def random_eagle2(cfg, target):
+    """EAGLE-2 (5 nodes, depth 2, top-k 2) with a random one-layer draft over `target`, a random
+    model of config `cfg`: (proposer, proposer_params)."""
+    import dataclasses
+
+    import jax
+
+    from specjax import init_params
+    from specjax.model import lm_head_weight
+    from specjax.proposers.eagle import EagleDynamicProposer
+
+    draft_cfg = dataclasses.replace(cfg, num_layers=1)
+    key = jax.random.PRNGKey(3)
+    layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
+    del layer["attn_norm"]  # EAGLE's first layer has no input norm
+    fc = {"kernel": 0.3 * jax.random.normal(key, (2 * cfg.hidden_size, cfg.hidden_size))}
+    return (EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=2),
+            {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
+             "lm_head": lm_head_weight(target)})
+
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
     " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

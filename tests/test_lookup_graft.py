@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_eagle2
 
 from specjax import Engine, ModelConfig, init_params
 from specjax.draft_tree import DraftTree
-from specjax.model import lm_head_weight
 from specjax.proposers import PromptLookupProposer
-from specjax.proposers.eagle import EagleDynamicProposer
 from specjax.proposers.lookup_graft import LookupGraftProposer, graft_chain
 from specjax.spec_decode import ProposerBase
 
@@ -112,20 +111,9 @@ def target():
     return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
 
 
-def _eagle2(target):
-    draft_cfg = dataclasses.replace(CFG, num_layers=1)
-    key = jax.random.PRNGKey(3)
-    layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
-    del layer["attn_norm"]
-    fc = {"kernel": 0.3 * jax.random.normal(key, (2 * CFG.hidden_size, CFG.hidden_size))}
-    return (EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=2),
-            {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
-             "lm_head": lm_head_weight(target)})
-
-
 def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
     prompts = [[3, 9, 27, 17, 3, 9, 27, 17, 3, 9], [5, 6, 7, 8, 5, 6], [1, 2]]
-    base, params = _eagle2(target)
+    base, params = random_eagle2(CFG, target)
     eng = Engine(target, CFG, num_pages=256, page_size=4)
     vanilla = eng.generate(prompts, 40, eos_token_ids=())
     alone = eng.generate(prompts, 40, eos_token_ids=(), proposer=base, proposer_params=params)
@@ -150,7 +138,7 @@ def test_graft_refuses_lossy_rules_and_bad_options(target):
 
     from specjax.proposers.medusa import MedusaProposer
 
-    base, _ = _eagle2(target)
+    base, _ = random_eagle2(CFG, target)
     with pytest.raises(ValueError, match="`match`, `recursive` or `traversal` rule, not 'typical'"):
         LookupGraftProposer(MedusaProposer(vocab_size=CFG.vocab_size, posterior_threshold=0.09))
     with pytest.raises(ValueError, match="match, recursive or traversal rule, not 'residual'"):

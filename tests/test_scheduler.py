@@ -4,7 +4,6 @@ full queue and a full cache behave."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -12,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_eagle2
 
 from specjax import Engine, init_params
 from specjax.config import ModelConfig
-from specjax.model import lm_head_weight
 from specjax.proposers import PromptLookupProposer
-from specjax.proposers.eagle import EagleDynamicProposer
 from specjax.proposers.lookahead import LookaheadProposer
 from specjax.sampling import SamplingConfig
 from specjax.serving.scheduler import QueueFull, RequestError, Scheduler
@@ -29,17 +27,6 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
 @pytest.fixture(scope="module")
 def target():
     return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-
-
-def _eagle2(target):
-    draft_cfg = dataclasses.replace(CFG, num_layers=1)
-    key = jax.random.PRNGKey(3)
-    layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
-    del layer["attn_norm"]
-    fc = {"kernel": 0.3 * jax.random.normal(key, (2 * CFG.hidden_size, CFG.hidden_size))}
-    return (EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=2),
-            {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
-             "lm_head": lm_head_weight(target)})
 
 
 def _prompts(n, seed=0):
@@ -58,7 +45,7 @@ def _proposer(kind, target):
         return PromptLookupProposer(4, 3, 1), None
     if kind == "lookahead":
         return LookaheadProposer(3, 3, 2), None
-    return _eagle2(target)
+    return random_eagle2(CFG, target)
 
 
 SAMPLED = SamplingConfig(temperature=0.8, top_k=20)
@@ -105,7 +92,7 @@ def test_a_broken_merge_is_caught(target, monkeypatch):
     the test above can fail."""
     import specjax.serving.scheduler as sched_mod
 
-    proposer, pparams = _eagle2(target)
+    proposer, pparams = random_eagle2(CFG, target)
     prompts = _prompts(4, seed=1)
     alone = Engine(target, CFG, num_pages=64, page_size=8)
     want = [alone.generate([p], 12, proposer=proposer, proposer_params=pparams).steps[0]
@@ -287,7 +274,7 @@ def test_eagle_init_resumes_from_shared_prefix_pairs(target):
     """init() from position 24 over pages another prompt left (same tokens 0..24) gives the draft
     state a whole-prompt init gives; a neighbour whose token 24 differs leaves a draft entry
     at position 23 that is not this prompt's, which is why such pages are keyed by pairs."""
-    proposer, pparams = _eagle2(target)
+    proposer, pparams = random_eagle2(CFG, target)
     rng = np.random.default_rng(5)
     prefix = rng.integers(4, 64, size=25).tolist()  # tokens 0..24: pairs 0..23 (3 pages of 8)
     mine = prefix + rng.integers(4, 64, size=9).tolist()
@@ -322,7 +309,7 @@ def test_eagle_requests_reuse_the_pages_of_a_shared_prefix(target, sampling):
     """A later EAGLE request whose prompt shares full pages of token pairs with an earlier one
     prefills only the rest, and gets the answer (and the target passes) it gets alone; an
     identical prompt still runs its last pair."""
-    proposer, pparams = _eagle2(target)
+    proposer, pparams = random_eagle2(CFG, target)
     rng = np.random.default_rng(7)
     prefix = rng.integers(4, 64, size=30).tolist()
     prompts = [prefix + [5, 6, 7], prefix + [9, 10], prefix + [5, 6, 7]]
