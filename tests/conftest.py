@@ -44,6 +44,53 @@ def pytest_configure(config):
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECONDS))
 
 
+# The skips a CI run (`CI=true`) accepts: test node id -> the words its reason must contain.
+# Any other skip there fails the run, so a test that quietly stops running is seen.
+CI_ALLOWED_SKIPS = {
+    # on a machine with a GPU the command would start the whole GPU run instead
+    "tests/test_gpu_check.py::test_without_gpu_says_so_in_one_line": "a CUDA GPU is present",
+}
+_unexpected_skips: list[str] = []
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def _check_skip(report) -> None:
+    if not (report.skipped and _in_ci()) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    allowed = CI_ALLOWED_SKIPS.get(report.nodeid)
+    if allowed is None or allowed not in reason:
+        _unexpected_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report):
+    _check_skip(report)
+
+
+def pytest_collectreport(report):
+    _check_skip(report)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unexpected_skips and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unexpected_skips:
+        terminalreporter.section("skips not on tests/conftest.py's CI_ALLOWED_SKIPS (CI=true)")
+        for line in _unexpected_skips:
+            terminalreporter.write_line(line)
+
+
 def _memory_mappings() -> int:
     """The number of this process's memory mappings (0 where /proc is missing)."""
     try:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,9 +192,7 @@ def test_packed_model_decodes_bit_for_bit_as_the_plain_one(tied):
     assert not isinstance(packed["embed"], PackedWeight)  # lookups read plain rows
     assert ("tied_head" in packed) == tied
     back = unpack_params(packed)
-    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(plain)
-    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(plain)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(back, plain)  # structure, shapes and values
     k, v = init_pages(config, 16, 16)
     start = PagedKVCache(k, v, jnp.arange(16, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, 300, (1, 90)), jnp.int32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +77,11 @@ def test_update_rebuilds_pairs_with_true_features(target):
         buf = jnp.zeros((1, 33), jnp.int32).at[0, :len(full)].set(jnp.asarray(full))
         ctx = SpecContext(buf, jnp.asarray([L]), cache.block_tables, last, prompt_hidden=hidden)
         pools = proposer.make_pools(16, 4, jnp.float32)
-        state = proposer.init(pparams, pools, ctx, chunk, jnp.asarray([L - 1]))
+        state = jax.jit(proposer.init)(pparams, pools, ctx, chunk, jnp.asarray([L - 1]))
         return state, cache, ctx
 
     short, cache, ctx = start(full[:10])
-    tree, state = proposer.propose(pparams, short, ctx, None, None)
+    tree, state = _propose(proposer, pparams, short, ctx)
     # The target's true hidden states along the accepted path: a teacher-forced pass.
     from specjax.draft_tree import chain
     path_tree = chain(jnp.asarray([41]), jnp.asarray([[7, 8, 2]]), jnp.asarray([3]))
@@ -138,22 +139,35 @@ def _draft_state(target, proposer, pparams, prompt, feature_layers=()):
                                   tuple(feature_layers))
     buf = jnp.zeros((1, 96), jnp.int32).at[0, :n].set(jnp.asarray(prompt))
     ctx = SpecContext(buf, jnp.asarray([n]), cache.block_tables, last, prompt_hidden=hidden)
-    state = proposer.init(pparams, proposer.make_pools(32, 4, jnp.float32), ctx, chunk,
-                          jnp.asarray([n - 1]))
+    state = jax.jit(proposer.init)(pparams, proposer.make_pools(32, 4, jnp.float32), ctx, chunk,
+                                   jnp.asarray([n - 1]))
     return state, ctx
+
+
+def _propose(proposer, pparams, state, ctx):
+    """One `propose` of a proposer, jitted (op by op an EAGLE-1 tree took ~15 s to draft)."""
+    return jax.jit(proposer.propose, static_argnums=(3, 4))(pparams, state, ctx, None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(proposer):
+    """The proposer's one-token chain step and top-k, jitted: `_chain_top` calls them once per
+    node of a tree, and op by op they took most of these tests' time."""
+    return jax.jit(proposer._run_chain), jax.jit(proposer._top, static_argnums=2)
 
 
 def _chain_top(proposer, pparams, state, ctx, path, k):
     """The draft's k best tokens after the drafted tokens `path`, drafted one by one (a chain,
     no tree attention): what tree drafting must reproduce at every node."""
+    run_chain, top = _compiled(proposer)
     cache = state.cache(ctx.block_tables)
     h = state.next_hidden
     for tok in path:
-        out, cache = proposer._run_chain(pparams, cache, jnp.asarray([[tok]]), h[:, None],
-                                         cache.lengths, jnp.ones((1, 1), bool))
+        out, cache = run_chain(pparams, cache, jnp.asarray([[tok]]), h[:, None], cache.lengths,
+                               jnp.ones((1, 1), bool))
         cache = cache.replace(lengths=cache.lengths + 1)
         h = out[:, 0]
-    logp, ids = proposer._top(pparams, h, k)
+    logp, ids = top(pparams, h, k)
     return [int(i) for i in ids[0]], [float(x) for x in logp[0]]
 
 
@@ -176,7 +190,7 @@ def test_static_tree_nodes_are_the_drafts_ranked_tokens(target):
     proposer = EagleTreeProposer(draft_cfg)
     pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
     state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0])
-    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    tree, _ = _propose(proposer, pparams, state, ctx)
     _, depth, rank = static_tree(proposer.eagle_choices)
     for i, path in _paths(tree).items():
         if i:
@@ -197,7 +211,7 @@ def test_dynamic_tree_is_valid_and_best_first(target, total, depth, top_k):
     proposer = EagleDynamicProposer(draft_cfg, total_tokens=total, depth=depth, top_k=top_k)
     pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
     state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0])
-    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    tree, _ = _propose(proposer, pparams, state, ctx)
     parent, dep, tok, valid = (np.asarray(a[0]) for a in (tree.parent, tree.depth, tree.tokens,
                                                            tree.valid))
     assert valid.all() and tree.size == total
@@ -259,7 +273,7 @@ def test_eagle3_tree_nodes_are_in_the_draft_vocabulary(target):
                                     total_tokens=8, depth=2, top_k=3)
 
     state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0], layers)
-    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    tree, _ = _propose(proposer, pparams, state, ctx)
     allowed = set(np.asarray(draft_to_target(pparams["net"], jnp.arange(40))).tolist())
     assert set(np.asarray(tree.tokens[0, 1:]).tolist()) <= allowed
     for i, path in _paths(tree).items():
@@ -281,7 +295,7 @@ def test_frequent_token_draft_vocabulary(target):
     pparams = {"net": net, "embed": target["embed"], "lm_head": head, "draft_ids": ids}
     proposer = EagleDynamicProposer(draft_cfg, total_tokens=10, depth=3, top_k=3)
     state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0])
-    tree, _ = proposer.propose(pparams, state, ctx, None, None)
+    tree, _ = _propose(proposer, pparams, state, ctx)
     assert set(np.asarray(tree.tokens[0, 1:]).tolist()) <= set(np.asarray(ids).tolist())
     eng = Engine(target, CFG, num_pages=256, page_size=4)
     vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
@@ -311,7 +325,7 @@ def test_min_prob_keeps_exactly_the_confident_drafts(target, kind):
     pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
     full = MIN_PROB_PROPOSERS[kind](draft_cfg, 0.0)
     state, ctx = _draft_state(target, full, pparams, PROMPTS[0])
-    tree0, _ = full.propose(pparams, state, ctx, None, None)
+    tree0, _ = _propose(full, pparams, state, ctx)
 
     def score(path):  # cumulative draft log-prob of a drafted path
         s = 0.0
@@ -327,7 +341,7 @@ def test_min_prob_keeps_exactly_the_confident_drafts(target, kind):
     expected = {p for p, s in scores.items() if s >= floor - 1e-3}
     assert 0 < len(expected) < len(scores)
     pruned = MIN_PROB_PROPOSERS[kind](draft_cfg, m)
-    tree, _ = pruned.propose(pparams, state, ctx, None, None)
+    tree, _ = _propose(pruned, pparams, state, ctx)
     valid = np.asarray(tree.valid[0])
     assert {tuple(p) for i, p in _paths(tree).items() if i} == expected
     if kind != "static":

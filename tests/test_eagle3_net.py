@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,7 +205,8 @@ def test_forward_matches_pytorch(eagle3_dir, tmp_path):
             # Draft log-probs through norm + the draft lm_head; ids mapped to the target vocab.
             lp = eagle3_logprobs(params, config, tree_out[i])
             want_lp = torch.log_softmax(_rms(want[n:], sd["norm.weight"]) @ sd["lm_head.weight"].T, -1)
-            assert lp.shape == (4, VD) and lp.dtype == jnp.float32
+            chex.assert_shape(lp, (4, VD))
+            chex.assert_type(lp, jnp.float32)
             assert rel_err(lp, want_lp) < 1e-4
             top = jax.lax.top_k(lp, 5)[1]
             want_top = want_lp.topk(5).indices
@@ -253,9 +255,8 @@ def test_init_save_load(tmp_path):
     config2, params2, meta = load_eagle3_heads(out)
     assert config2 == config
     assert meta["feature_layers"] == [1, 5, 8] and meta["draft_vocab_size"] == 4
-    assert jax.tree_util.tree_structure(params2) == jax.tree_util.tree_structure(params)
-    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params2)):
-        assert np.array_equal(np.asarray(a), np.asarray(b)) and a.dtype == b.dtype
+    chex.assert_trees_all_equal(params2, params)
+    chex.assert_trees_all_equal_dtypes(params2, params)
     check_compatible(meta, target, out)
     with pytest.raises(CheckpointError, match="vocab_size"):
         check_compatible(meta, ModelConfig(V + 1, D, F, 12, H, KVH, HD), out)

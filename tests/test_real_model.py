@@ -8,7 +8,6 @@ import torch
 
 from specjax import Engine, load_model
 from specjax.cli import encode_prompt
-from specjax.random_heads import random_head_checkpoint
 
 PROMPTS = ["What is the capital of France?",
            "Write a Python function that returns the n-th Fibonacci number.",
@@ -94,25 +93,43 @@ def test_speculative_greedy_equals_vanilla(smol, method, options):
     assert sum(batched.steps) < sum(vanilla.steps)  # the drafts were accepted at least sometimes
 
 
-@pytest.mark.parametrize("method,options", [  # EAGLE-2, the default, in the default tier
-    pytest.param("medusa", {}, marks=pytest.mark.slow), pytest.param("eagle", {}, marks=pytest.mark.slow),
-    ("eagle2", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4}),
-    pytest.param("eagle3", {"eagle_total_tokens": 16, "eagle_depth": 4, "eagle_top_k": 4},
-                 marks=pytest.mark.slow),
-    pytest.param("redrafter", {"redrafter_num_beams": 3, "redrafter_draft_len_per_beam": 4},
-                 marks=pytest.mark.slow)])
-def test_head_methods_greedy_equals_vanilla(smol, method, options, tmp_path):
-    """Correctness does not depend on head quality: random heads, same tokens as vanilla."""
+# Dev prompts (chat, summarization) for the shipped heads' acceptance.
+DEV_PROMPTS = ["Name three methods for authentication.",
+               "Lisa: I'm holding seats for you\r\nLuck: Thanks!!\r\nHugh: I'll be there soon\r\n"
+               "Lisa: Hurry up, people are looking at me with fury! \nGiven the above dialogue, "
+               "write a summary.\n",
+               "Tell the name of a famous mathematician."]
+DEV_TOKENS = 48
+# Tokens emitted minus target passes over DEV_PROMPTS (greedy, DEV_TOKENS each, the shipped
+# heads at their recommended settings without the lookup graft), measured once on a 2-core AMD
+# EPYC (2026-12-06): 144 tokens in 96 / 95 / 102 / 107 / 115 passes. Random heads save ~0.
+SHIPPED_MARGIN = {"eagle2": 48, "eagle": 49, "eagle3": 42, "medusa": 37, "redrafter": 29}
+
+
+@pytest.fixture(scope="module")
+def dev_vanilla(smol):
+    encoded = [encode_prompt(smol.tokenizer, p, raw=False) for p in DEV_PROMPTS]
+    eng = Engine(smol.params, smol.config, num_pages=96, page_size=16)
+    return eng, encoded, eng.generate(encoded, DEV_TOKENS, eos_token_ids=())
+
+
+@pytest.mark.parametrize("method", list(SHIPPED_MARGIN))
+def test_shipped_heads_are_accepted_and_lossless(smol, dev_vanilla, method):
+    """The heads shipped for the embedded model draft tokens the target accepts: on dev prompts
+    their greedy run saves at least 70% of the target passes it saved when measured, and emits
+    vanilla's tokens. The graft is off, so the saving is the heads' own; random heads fail it."""
     from specjax.methods import make_proposer
 
-    heads = random_head_checkpoint(method, smol, tmp_path / method)
-    eng = Engine(smol.params, smol.config, num_pages=64, page_size=16)
-    encoded = [encode_prompt(smol.tokenizer, p, raw=False) for p in PROMPTS[:2]]
-    vanilla = eng.generate(encoded, max_new_tokens=48, eos_token_ids=())
-    proposer, pparams = make_proposer(method, smol, heads=str(heads), **options)
-    spec = eng.generate(encoded, 48, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    eng, encoded, vanilla = dev_vanilla
+    proposer, pparams = make_proposer(method, smol, no_lookup=True)
+    spec = eng.generate(encoded, DEV_TOKENS, eos_token_ids=(), proposer=proposer,
+                        proposer_params=pparams)
     for prompt, want, got in zip(encoded, vanilla.token_ids, spec.token_ids):
         assert_same_or_near_tie(smol, prompt, want, got)
+    tokens, passes = sum(map(len, spec.token_ids)), sum(spec.steps)
+    assert tokens - passes >= 0.7 * SHIPPED_MARGIN[method], (
+        f"{method}: {tokens} tokens in {passes} target passes; measured "
+        f"{tokens - SHIPPED_MARGIN[method]}")
 
 
 def test_methods_without_options_run_the_documented_defaults(smol):

@@ -88,7 +88,9 @@ SCRIPT = textwrap.dedent('''
     eng, out["one_device"] = run(None)
     out["sampled"] = {"one_device": sampled(eng)}
     out["meshes"] = {}
-    for tp, dp in [(2, 1), (4, 1), (2, 2)]:
+    # Tensor parallel alone (tp=4) and with data parallel (tp=2 x dp=2); a tp=2 x dp=1 run as
+    # well only repeated what these two prove (the verify step's collectives at tp=2 are below).
+    for tp, dp in [(4, 1), (2, 2)]:
         eng, res = run(make_mesh(tp, dp))
         out["meshes"][f"tp{tp}_dp{dp}"] = res
         if (tp, dp) == (2, 2):
@@ -201,7 +203,7 @@ def runs(tiny_llama, tmp_path_factory):
     return json.loads(line[len("RESULT "):]), [(p.returncode, o, e) for p, (o, e) in zip(procs, mp)]
 
 
-@pytest.mark.parametrize("mesh", ["tp2_dp1", "tp4_dp1", "tp2_dp2"])
+@pytest.mark.parametrize("mesh", ["tp4_dp1", "tp2_dp2"])
 def test_greedy_outputs_match_one_device(runs, mesh):
     res, _ = runs
     assert res["devices"] == 8
