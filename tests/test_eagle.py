@@ -144,22 +144,23 @@ def _draft_state(target, proposer, pparams, prompt, feature_layers=()):
     return state, ctx
 
 
-def _propose(proposer, pparams, state, ctx):
-    """One `propose` of a proposer, jitted (op by op an EAGLE-1 tree took ~15 s to draft)."""
-    return jax.jit(proposer.propose, static_argnums=(3, 4))(pparams, state, ctx, None, None)
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled(proposer):
-    """The proposer's one-token chain step and top-k, jitted: `_chain_top` calls them once per
-    node of a tree, and op by op they took most of these tests' time."""
-    return jax.jit(proposer._run_chain), jax.jit(proposer._top, static_argnums=2)
+    """The proposer's propose, one-token chain step and top-k, jitted once per proposer: op by op
+    an EAGLE-1 tree took ~15 s to draft, and `_chain_top` calls the step once per node."""
+    return (jax.jit(proposer.propose, static_argnums=(3, 4)), jax.jit(proposer._run_chain),
+            jax.jit(proposer._top, static_argnums=2))
+
+
+def _propose(proposer, pparams, state, ctx):
+    """One `propose` of a proposer (jitted)."""
+    return _compiled(proposer)[0](pparams, state, ctx, None, None)
 
 
 def _chain_top(proposer, pparams, state, ctx, path, k):
     """The draft's k best tokens after the drafted tokens `path`, drafted one by one (a chain,
     no tree attention): what tree drafting must reproduce at every node."""
-    run_chain, top = _compiled(proposer)
+    _, run_chain, top = _compiled(proposer)
     cache = state.cache(ctx.block_tables)
     h = state.next_hidden
     for tok in path:
