@@ -52,6 +52,20 @@ CI_ALLOWED_SKIPS = {
 }
 _unexpected_skips: list[str] = []
 
+# What one test worker needs at most: the default tier's largest resident size was 6.2 GB.
+WORKER_MEMORY_GIB = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core, as many as memory holds. Each
+    worker is a JAX process whose compiled programs and real-model weights stay resident."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return cores
+    return max(1, min(cores, int(memory_gib // WORKER_MEMORY_GIB)))
+
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
