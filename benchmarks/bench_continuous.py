@@ -32,7 +32,7 @@ def main():
 
     from specjax import Engine, load_model
     from specjax.compile_cache import enable_compile_cache
-    from training.data import encode_record, length_sorted_windows, read_prompt_file
+    from specjax.training.data import encode_record, length_sorted_windows, read_prompt_file
 
     enable_compile_cache()
     model = load_model(args.model)

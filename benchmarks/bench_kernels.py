@@ -43,7 +43,7 @@ def traffic(b, t, context, *, h, kvh, d, page_size, dtype_bytes, k_splits=1, row
 
 def roofline_table(dev=H100) -> str:
     """Markdown roofline of the grid on `dev` (per layer; x32 for all of Llama-3-8B)."""
-    from kernels_pallas.tree_paged_attention import default_blocks
+    from specjax.kernels_pallas.tree_paged_attention import default_blocks
 
     bw, peak = dev["hbm_bytes_per_s"], dev["bf16_flops"]
     lines = ["| B | T | context | bytes moved (MB) | GFLOP | FLOP/byte | memory time (us) | "
@@ -128,8 +128,8 @@ def main(argv=None):
     import jax
 
     from specjax.attention import gpu_supports_kernel
-    from kernels_pallas.tree_paged_attention import default_blocks, tree_paged_attention
-    from kernels_pallas.tree_paged_attention_reference import tree_paged_attention_reference
+    from specjax.kernels_pallas.tree_paged_attention import default_blocks, tree_paged_attention
+    from specjax.kernels_pallas.tree_paged_attention_reference import tree_paged_attention_reference
 
     if not gpu_supports_kernel():
         sys.exit(f"bench_kernels: needs a CUDA GPU of compute capability >= 8.0 (JAX's default "

@@ -32,11 +32,11 @@ from specjax.bench import machine
 from specjax.loading import load_model
 from specjax.model import lm_head_weight
 from specjax.proposers.eagle_net import load_eagle_heads
-from training import losses
-from training.data import (DistillConfig, distill, read_prompt_file, sequences_of,
+from specjax.training import losses
+from specjax.training.data import (DistillConfig, distill, read_prompt_file, sequences_of,
                            spread_over_categories)
-from training.features import length_bucket, padded_sequences, teacher_forward
-from training.methods import EagleMethod
+from specjax.training.features import length_bucket, padded_sequences, teacher_forward
+from specjax.training.methods import EagleMethod
 
 
 @jax.jit

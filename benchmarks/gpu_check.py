@@ -42,8 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import tree_paged_attention, tree_paged_attention_reference  # noqa: E402
-from kernels_pallas.random_cases import TOL, make_case, rel_err  # noqa: E402
+from specjax.kernels_pallas import tree_paged_attention, tree_paged_attention_reference  # noqa: E402
+from specjax.kernels_pallas.random_cases import TOL, make_case, rel_err  # noqa: E402
 from specjax.attention import gpu_supports_kernel, use_attention_backend  # noqa: E402
 from specjax.cache import PagedKVCache, init_pages  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.eagle import WEIGHT_FILES, head_tensor_names
+from specjax.convert.eagle import WEIGHT_FILES, head_tensor_names
 from specjax.checkpoint import (CheckpointError, _read_safetensors, _read_torch_bin, read_json,
                                 tensor_access)
 from specjax.config import ConfigError, ModelConfig

@@ -302,11 +302,11 @@ def _write_json(path: Path, obj: dict) -> None:
 def _write_tokenizer(reader, gguf_path: Path, out: Path, max_len: int) -> None:
     """Write tokenizer.json / tokenizer_config.json / special_tokens_map.json.
 
-    The tokenizer is rebuilt from the metadata by `convert.gguf_tokenizer` (no torch); the chat
+    The tokenizer is rebuilt from the metadata by `specjax.convert.gguf_tokenizer` (no torch); the chat
     template, BOS behaviour and special tokens are pinned in tokenizer_config.json so any
     transformers version finds them there.
     """
-    from convert.gguf_tokenizer import gguf_tokenizer, special_token_strings
+    from specjax.convert.gguf_tokenizer import gguf_tokenizer, special_token_strings
 
     meta = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
     try:

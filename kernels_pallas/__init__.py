@@ -6,7 +6,7 @@ which chooses the backend (the kernel here on a CUDA GPU of compute capability >
 native CPU kernel on one CPU device, the reference here elsewhere).
 """
 
-from kernels_pallas.tree_paged_attention_reference import (
+from specjax.kernels_pallas.tree_paged_attention_reference import (
     attention_with_new_rows,
     gather_pages,
     gathered_attention,
@@ -14,8 +14,8 @@ from kernels_pallas.tree_paged_attention_reference import (
     unwritten_keys_mask,
     visible_keys_mask,
 )
-from kernels_pallas.paged_kv_write import write_paged_kv
-from kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
+from specjax.kernels_pallas.paged_kv_write import write_paged_kv
+from specjax.kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
 
 __all__ = [
     "attention_with_new_rows", "gather_pages", "gathered_attention", "tree_paged_attention",

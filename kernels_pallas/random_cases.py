@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.tree_paged_attention_reference import visible_keys_mask
+from specjax.kernels_pallas.tree_paged_attention_reference import visible_keys_mask
 
 
 def make_case(seed, *, b=3, t=5, j=None, kvh=2, g=3, d=16, ps=16, n=None, dtype=jnp.float32,

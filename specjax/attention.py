@@ -1,6 +1,6 @@
 """Attention over the paged KV cache, the one place its backend is chosen: the Pallas kernel
-(`kernels_pallas.tree_paged_attention`) on GPU, the native CPU kernel (`specjax.cpu.attention`)
-on CPU, the XLA reference (`kernels_pallas.tree_paged_attention_reference`) elsewhere.
+(`specjax.kernels_pallas.tree_paged_attention`) on GPU, the native CPU kernel (`specjax.cpu.attention`)
+on CPU, the XLA reference (`specjax.kernels_pallas.tree_paged_attention_reference`) elsewhere.
 
 The backend is chosen when a function is traced:
 - `SPECJAX_ATTENTION` (`specjax.settings`) = `auto` (default) | `pallas` | `pallas-interpret` |
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
-from kernels_pallas.tree_paged_attention_reference import (attention_with_new_rows,
+from specjax.kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
+from specjax.kernels_pallas.tree_paged_attention_reference import (attention_with_new_rows,
                                                            tree_paged_attention_reference,
                                                            unwritten_keys_mask, visible_keys_mask)
 from specjax.cpu import attention as cpu_attention

@@ -348,7 +348,7 @@ def _process_index() -> int:
 
 
 def cmd_convert(args) -> int:
-    from convert.hf import convert_checkpoint
+    from specjax.convert.hf import convert_checkpoint
 
     out = convert_checkpoint(args.src, args.out, to=args.to)
     print(f"wrote {out}", file=sys.stderr)
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     _add_convert(sub)
     _add_bench(sub)
     _add_serve(sub)
-    from training.cli import add_synthesize_parser, add_train_parser, run_synthesize, run_train
+    from specjax.training.cli import add_synthesize_parser, add_train_parser, run_synthesize, run_train
     add_train_parser(sub)
     add_synthesize_parser(sub)
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import write_paged_kv
+from specjax.kernels_pallas import write_paged_kv
 from specjax.cache import PagedKVCache
 
 

@@ -68,7 +68,7 @@ def default_dtype():
 
 def resolve_model_path(name_or_path: str) -> Path:
     """A checkpoint directory for an embedded name, a directory, or a GGUF file."""
-    from convert.registry import is_embedded, resolve_embedded, cache_dir
+    from specjax.convert.registry import is_embedded, resolve_embedded, cache_dir
 
     if is_embedded(name_or_path):
         return resolve_embedded(name_or_path)
@@ -79,7 +79,7 @@ def resolve_model_path(name_or_path: str) -> Path:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(f"not a checkpoint: {path} (expected a directory or a .gguf file)")
-        from convert.gguf import gguf_to_hf
+        from specjax.convert.gguf import gguf_to_hf
 
         stat = path.stat()
         key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -135,7 +135,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None,
     params = assemble_params(itertools.chain([first], pieces), _placer(config, mesh, pack))
     if pack:
         params = pack_params(params)  # the output head (the layers are packed already)
-    from convert.registry import is_embedded
+    from specjax.convert.registry import is_embedded
 
     name = str(name_or_path) if is_embedded(str(name_or_path)) else None
     return Model(params, config, path, hf_config, name=name)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import unwritten_keys_mask, visible_keys_mask, write_paged_kv
+from specjax.kernels_pallas import unwritten_keys_mask, visible_keys_mask, write_paged_kv
 from specjax.attention import attention_unwritten, on_cpu_path, paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig

@@ -1,8 +1,9 @@
 """The module graph has no cycle, function-level imports included: every module of specjax/,
-training/, convert/ and kernels_pallas/ can be read (and changed) knowing only what it imports.
-The layers hold (docs/architecture.md): kernels_pallas/ imports nothing of the project, specjax/
-imports training/ and convert/ only from the modules named in `UPWARD`, and only
-specjax/settings.py reads the environment.
+training/, convert/ and kernels_pallas/ (installed as specjax.training, specjax.convert and
+specjax.kernels_pallas) can be read (and changed) knowing only what it imports. The layers hold
+(docs/architecture.md), keyed on module prefix: specjax.kernels_pallas imports nothing of the
+project, the core imports specjax.training and specjax.convert only from the modules named in
+`UPWARD`, and only specjax/settings.py reads the environment.
 
 (Importing `a.b` also runs package `a`'s __init__; that implicit edge is not counted, as a
 package's __init__ only gathers its modules' public names.)
@@ -14,20 +15,30 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specjax", "training", "convert", "kernels_pallas")
-# The specjax modules allowed to import a package of a higher layer, and why.
+# Each package's folder (pyproject.toml's package-dir) and module prefix.
+PACKAGES = {"specjax": "specjax", "training": "specjax.training", "convert": "specjax.convert",
+            "kernels_pallas": "specjax.kernels_pallas"}
+KERNELS = "specjax.kernels_pallas"
+UPPER = ("specjax.training", "specjax.convert")  # the layers above the core
+# The core modules allowed to import a package of a higher layer, and why.
 UPWARD = {
-    "specjax.cli": {"training", "convert"},  # the command's `train` and `convert` subcommands
-    "specjax.loading": {"convert"},  # embedded models and GGUF files are converted on load
+    "specjax.cli": set(UPPER),  # the command's `train` and `convert` subcommands
+    "specjax.loading": {"specjax.convert"},  # embedded models and GGUF files are converted on load
 }
+
+
+def layer(module: str) -> str:
+    """The package a module belongs to: its longest matching prefix in PACKAGES."""
+    return max((p for p in PACKAGES.values() if module == p or module.startswith(p + ".")), key=len)
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            parts = f.relative_to(ROOT).with_suffix("").parts
-            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    for folder, prefix in PACKAGES.items():
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            parts = f.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out[".".join((prefix, *parts))] = f
     return out
 
 
@@ -111,8 +122,8 @@ def test_the_step_reads_proposer_attributes_without_fallbacks():
 def test_kernels_pallas_imports_nothing_of_the_project():
     """kernels_pallas/ is the lowest layer: the backend choice lives in specjax.attention."""
     mods = modules()
-    found = {m: sorted(t for t in imported(m, f, mods) if not t.startswith("kernels_pallas"))
-             for m, f in mods.items() if m.startswith("kernels_pallas")}
+    found = {m: sorted(t for t in imported(m, f, mods) if layer(t) != KERNELS)
+             for m, f in mods.items() if layer(m) == KERNELS}
     assert len(found) >= 4
     assert not any(found.values()), {m: t for m, t in found.items() if t}
 
@@ -121,9 +132,9 @@ def test_specjax_imports_training_and_convert_only_where_allowed():
     mods = modules()
     found = {}
     for m, f in mods.items():
-        if m.split(".")[0] != "specjax":
+        if layer(m) != "specjax":
             continue
-        up = {t.split(".")[0] for t in imported(m, f, mods)} & {"training", "convert"}
+        up = {layer(t) for t in imported(m, f, mods)} & set(UPPER)
         if up - UPWARD.get(m, set()):
             found[m] = sorted(up)
     assert not found, found

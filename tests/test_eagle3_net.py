@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from convert.eagle import is_eagle_dir
-from convert.eagle3 import convert_eagle3, is_eagle3_dir, read_eagle3
-from convert.hf import convert_checkpoint
+from specjax.convert.eagle import is_eagle_dir
+from specjax.convert.eagle3 import convert_eagle3, is_eagle3_dir, read_eagle3
+from specjax.convert.hf import convert_checkpoint
 from specjax import PagedKVCache, causal_mask
 from specjax.cache import init_pages
 from specjax.checkpoint import CheckpointError

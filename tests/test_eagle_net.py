@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from convert.eagle import convert_eagle, is_eagle_dir
+from specjax.convert.eagle import convert_eagle, is_eagle_dir
 from specjax import PagedKVCache, causal_mask
 from specjax.cache import init_pages
 from specjax.proposers.eagle_net import eagle_forward, load_eagle_heads

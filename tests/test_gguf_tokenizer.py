@@ -1,4 +1,4 @@
-"""The torch-free GGUF tokenizer (convert.gguf_tokenizer) against transformers' own GGUF tokenizer.
+"""The torch-free GGUF tokenizer (specjax.convert.gguf_tokenizer) against transformers' own GGUF tokenizer.
 
 transformers' GGUF path needs torch, which specjax does not depend on; ours must give the same
 token ids, the same decoded text and the same rendered chat template, for the embedded SmolLM2
@@ -19,8 +19,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from convert.gguf import _field, _open_reader  # noqa: E402
-from convert.gguf_tokenizer import byte_alphabet, gguf_tokenizer  # noqa: E402
+from specjax.convert.gguf import _field, _open_reader  # noqa: E402
+from specjax.convert.gguf_tokenizer import byte_alphabet, gguf_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def test_sentencepiece_matches_transformers(tmp_path, with_merges):
     tokens, scores, types = sentencepiece_vocab(strings)
     merges = None
     if with_merges:
-        from convert.gguf_tokenizer import merges_from_scores
+        from specjax.convert.gguf_tokenizer import merges_from_scores
 
         merges = [f"{a} {b}" for a, b in merges_from_scores(tokens, scores)]
     path = write_tokenizer_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, merges=merges)
@@ -180,7 +180,7 @@ def test_conversion_works_without_torch(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
-        from convert.gguf import gguf_to_hf
+        from specjax.convert.gguf import gguf_to_hf
         from specjax.loading import load_tokenizer
         out = gguf_to_hf({str(tmp_path / 'tiny.gguf')!r}, {str(tmp_path / 'hf')!r})
         tok = load_tokenizer(out)
@@ -197,7 +197,7 @@ def test_conversion_works_without_torch(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm_gguf():
-    from convert.registry import cache_dir, resolve_embedded
+    from specjax.convert.registry import cache_dir, resolve_embedded
 
     resolve_embedded("smollm2-135m", quiet=True)
     return cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -208,7 +208,7 @@ def test_embedded_smollm2_matches_transformers(smollm_gguf):
     transformers' GGUF tokenizer (an independent reader of the same file)."""
     from transformers import AutoTokenizer
 
-    from convert.registry import resolve_embedded
+    from specjax.convert.registry import resolve_embedded
 
     ours, ref = gguf_tokenizer(read_meta(smollm_gguf)), transformers_gguf_tokenizer(smollm_gguf)
     assert_same_tokenizer(ours, ref, varied_strings(300))

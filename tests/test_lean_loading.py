@@ -142,7 +142,7 @@ def test_bfloat16_safetensors_without_torch(tiny_llama, tmp_path):
         import sys
         sys.modules["torch"] = None
         import jax, jax.numpy as jnp, numpy as np
-        from convert.hf import convert_checkpoint
+        from specjax.convert.hf import convert_checkpoint
         from specjax.checkpoint import params_to_hf
         from specjax.loading import load_model
         model = load_model({str(src)!r}, dtype=jnp.float32, pack=False)
@@ -184,7 +184,7 @@ def test_wrong_dtype_is_named_in_one_line(tiny_llama, tmp_path):
 
 
 def test_specjax_checkpoint_shape_is_checked(tiny_llama, tmp_path):
-    from convert.hf import convert_checkpoint
+    from specjax.convert.hf import convert_checkpoint
     from safetensors.numpy import load_file, save_file
 
     d = convert_checkpoint(tiny_llama[0], tmp_path / "sj")

@@ -13,7 +13,7 @@ import pytest
 from specjax import ModelConfig, init_params
 from specjax.model import lm_head_weight
 from specjax.proposers.medusa import MedusaProposer
-from training.medusa_tree import (decoded_tokens_per_step, expected_accepted, fit_tree, main,
+from specjax.training.medusa_tree import (decoded_tokens_per_step, expected_accepted, fit_tree, main,
                                   prefix_counts, true_ranks)
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

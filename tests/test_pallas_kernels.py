@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from kernels_pallas.random_cases import TOL, make_case, rel_err
-from kernels_pallas import tree_paged_attention, tree_paged_attention_reference
+from specjax.kernels_pallas.random_cases import TOL, make_case, rel_err
+from specjax.kernels_pallas import tree_paged_attention, tree_paged_attention_reference
 from specjax.attention import (attention_backend, gpu_supports_kernel, paged_attention,
                                use_attention_backend)
 from specjax import Engine, ModelConfig, init_params
@@ -302,7 +302,7 @@ def test_verify_defers_pool_writes_on_the_pallas_path():
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
 def test_tiles_fit_each_architectures_shared_memory(dtype_bytes):
     """Hopper keeps its tiles; sm86/sm89 (99 KiB of shared memory) get smaller ones that fit."""
-    from kernels_pallas.tree_paged_attention import default_blocks
+    from specjax.kernels_pallas.tree_paged_attention import default_blocks
 
     shapes = [(1, 1, 32, 8, 16, 8192), (32, 1, 32, 8, 16, 8192), (8, 64, 32, 8, 16, 2048),
               (2, 26, 9, 3, 32, 1024)]

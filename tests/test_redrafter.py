@@ -377,7 +377,7 @@ def test_converter_and_loader_errors(tiny_llama, tmp_path, capsys):
     cfg = json.loads((tmp_path / "bad" / "config.json").read_text())
     (tmp_path / "bad" / "config.json").write_text(json.dumps({**cfg, "num_draft_layers": 1}))
     with pytest.raises(CheckpointError) as e:
-        from convert.redrafter import read_redrafter
+        from specjax.convert.redrafter import read_redrafter
         read_redrafter(tmp_path / "bad")
     _one_line_error(e, "lacks tensor 'lm_head.1.weight'")
     (tmp_path / "bad" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32,

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels_pallas.tree_paged_attention_reference import gather_pages
+from specjax.kernels_pallas.tree_paged_attention_reference import gather_pages
 from specjax import (Engine, ModelConfig, PagedKVCache, SamplingConfig, causal_mask, forward,
                      init_params)
 from specjax.cache import init_pages, pages_needed

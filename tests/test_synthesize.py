@@ -10,7 +10,7 @@ import pytest
 from specjax.generate import Engine
 from specjax.loading import load_model
 from specjax.sampling import SamplingConfig
-from training.synthesize import (SynthesisConfig, SynthesisError, synthesize_prompts,
+from specjax.training.synthesize import (SynthesisConfig, SynthesisError, synthesize_prompts,
                                  user_turn_prefix)
 
 CFG = SynthesisConfig(temperature=1.0, top_p=1.0, max_tokens=24, min_tokens=2, seed=7,
@@ -99,7 +99,7 @@ def test_cli(tiny_llama, tmp_path, capsys):
                  "--max-tokens", "24", "--min-tokens", "2", "--max-attempts", "32",
                  "--no-progress"]) == 0
     assert f"{out}:" in capsys.readouterr().err
-    from training.data import read_prompt_file
+    from specjax.training.data import read_prompt_file
     assert all(r.category == "chat" for r in read_prompt_file(out))
     assert main(["synthesize-prompts", "--base", str(tiny_llama[0]), "--n", "2",
                  "--out", str(out), "--top-p", "0"]) == 1

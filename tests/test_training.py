@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from conftest import xla_flags
 
-from training.data import DataError, read_prompt_file
-from training.losses import (eagle3_loss, eagle_loss, medusa_loss, redrafter_loss,
+from specjax.training.data import DataError, read_prompt_file
+from specjax.training.losses import (eagle3_loss, eagle_loss, medusa_loss, redrafter_loss,
                              uniform_feature_noise)
-from training.train import TrainConfig, batch_ids, run
+from specjax.training.train import TrainConfig, batch_ids, run
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = ("math", "code", "chat")
@@ -113,8 +113,8 @@ def test_cli_loss_weights_reach_the_eagle_loss(tmp_path, capsys):
     import argparse
 
     from specjax.cli import main
-    from training.cli import add_train_parser, config_from_args
-    from training.methods import make_method
+    from specjax.training.cli import add_train_parser, config_from_args
+    from specjax.training.methods import make_method
 
     parser = add_train_parser(argparse.ArgumentParser().add_subparsers())
     base = ["--method", "eagle", "--prompts", "p.jsonl", "--out", "o"]
@@ -140,7 +140,7 @@ def test_cli_loss_weights_reach_the_eagle_loss(tmp_path, capsys):
 
 
 def test_make_method_refuses_options_it_lacks():
-    from training.methods import make_method
+    from specjax.training.methods import make_method
 
     with pytest.raises(ValueError, match="no option draft_steps"):
         make_method("eagle", draft_steps=3)  # EAGLE's option is `steps`
@@ -265,8 +265,8 @@ def test_eagle_lk_loss_is_minus_log_acceptance():
 def test_eagle_draft_vocab_loss():
     """EAGLE's loss over a draft vocabulary is eagle_loss with the head's rows of it."""
     from specjax import ModelConfig, init_params
-    from training.losses import eagle_shift
-    from training.methods import lm_head_weight, make_method
+    from specjax.training.losses import eagle_shift
+    from specjax.training.methods import lm_head_weight, make_method
 
     cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=64)
@@ -296,7 +296,7 @@ def test_eagle_training_time_test_loss():
     """EAGLE with steps=2: step 0's loss plus 0.8 x step 1's, where step 1 at t regresses the
     feature of t + 2 and counts where t + 1 is scored and t, t + 2 are real tokens."""
     from specjax import ModelConfig, init_params
-    from training.methods import lm_head_weight, make_method
+    from specjax.training.methods import lm_head_weight, make_method
 
     cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=64)
@@ -328,7 +328,7 @@ def test_eagle_training_time_test_loss():
 def test_sampled_loss_positions(name):
     """Scoring a random subset of positions: with every position drawn it is the full loss;
     with fewer, only drawn positions count and each draw is seeded by the step key."""
-    from training.methods import make_method
+    from specjax.training.methods import make_method
 
     rng = np.random.default_rng(6)
     b, t, d, v = 2, 16, 8, 30
@@ -355,7 +355,7 @@ def test_sampled_loss_positions(name):
     assert float(a) == float(few.loss(params, {"base": base}, cfg, batch, key)[0])
     assert float(a) != float(few.loss(params, {"base": base}, cfg, batch,
                                       jax.random.PRNGKey(2))[0])
-    from training.losses import labelled, sample_positions
+    from specjax.training.losses import labelled, sample_positions
     pos, ok = sample_positions(key, labelled(jnp.asarray(mask), 3), 3)
     elig = np.asarray(labelled(jnp.asarray(mask), 3))
     assert np.all(np.asarray(ok)) and all(elig[r, np.asarray(pos)[r]].all() for r in range(b))
@@ -370,7 +370,7 @@ def test_sampled_loss_positions(name):
 def test_medusa_draft_vocab_loss():
     """Over the draft_ids rows: the loss of the full-vocabulary logits' columns at those rows,
     labels renumbered, labels outside the draft vocabulary not scored."""
-    from training.methods import make_method
+    from specjax.training.methods import make_method
 
     rng = np.random.default_rng(7)
     b, t, d, v = 2, 14, 8, 40
@@ -418,7 +418,7 @@ def test_redrafter_loss_matches_torch():
 
 def test_redrafter_step_logits_follow_the_rnn():
     """Step i at position t reads [h_t; s_{i+1}], s_{j} = SiLU(W e(x_{t+j}) + U s_{j-1} + b)."""
-    from training.methods import make_method
+    from specjax.training.methods import make_method
 
     rng = np.random.default_rng(3)
     d, v, b, t = 8, 20, 2, 7
@@ -489,7 +489,7 @@ def test_unroll_equals_sequential_drafting(variant):
     from specjax.proposers.eagle3_net import (draft_config, eagle3_forward, eagle3_fuse,
                                               eagle3_logprobs)
     from specjax.proposers.eagle_net import eagle_forward
-    from training.methods import make_method
+    from specjax.training.methods import make_method
 
     cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=8,
                       num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=128)
@@ -552,7 +552,7 @@ def test_grown_eagle_draft_starts_as_the_trained_one(tmp_path):
     trained, so the grown draft predicts exactly what the heads did; fewer layers are refused."""
     from specjax import ModelConfig, init_params
     from specjax.heads import save_heads
-    from training.methods import make_method
+    from specjax.training.methods import make_method
 
     cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=128)
@@ -595,7 +595,7 @@ def test_eagle_noise_is_uniform_and_scaled_by_length():
 
 
 def test_distill_order_keeps_a_prefix_of_the_selection():
-    from training.data import length_sorted_windows
+    from specjax.training.data import length_sorted_windows
 
     items = [(i, [0] * n) for i, n in enumerate([5, 1, 4, 2, 9, 3, 7, 8, 6, 1])]
     out = length_sorted_windows(items, 4)
@@ -638,7 +638,7 @@ def test_length_grouped_batches():
 
 def test_distill_and_features_resume(setup, tmp_path):
     """A torn distillation file and a missing feature shard are redone, giving the same data."""
-    from training.features import FeatureStore, teacher_forward
+    from specjax.training.features import FeatureStore, teacher_forward
     from specjax.loading import load_model
 
     src = setup["data"]
@@ -680,8 +680,8 @@ def test_distill_and_features_resume(setup, tmp_path):
 
 def test_extra_data_folders(setup, tmp_path):
     """--extra-data: a run trains on its own features followed by another folder's, unchanged."""
-    from training.features import FeatureStore
-    from training.train import TrainError, training_store
+    from specjax.training.features import FeatureStore
+    from specjax.training.train import TrainError, training_store
 
     prompts2 = tmp_path / "more.jsonl"
     prompts2.write_text("".join(json.dumps({"id": f"q{i}", "category": CATEGORIES[i % 3],
@@ -796,8 +796,8 @@ def test_train_resume_and_decode(setup, method, tmp_path, capsys):
     if method != "medusa":  # the trainer's own proposer (EAGLE: the chain drafter)
         from specjax.generate import Engine
         from specjax.loading import load_model
-        from training.data import PromptRecord, encode_record
-        from training.methods import make_method
+        from specjax.training.data import PromptRecord, encode_record
+        from specjax.training.methods import make_method
 
         model = load_model(base)
         proposer, pparams = make_method(method, **dict(METHOD_OPTIONS[method])).proposer(
@@ -867,9 +867,9 @@ def test_data_parallel_matches_single_device(tmp_path):
     script = textwrap.dedent(f"""
         import jax, jax.numpy as jnp, numpy as np
         from specjax import ModelConfig, init_params
-        from training.features import FeatureSpec, FeatureStore, extract_features
-        from training.methods import make_method
-        from training.train import OptimConfig, Sharder, fit
+        from specjax.training.features import FeatureSpec, FeatureStore, extract_features
+        from specjax.training.methods import make_method
+        from specjax.training.train import OptimConfig, Sharder, fit
         assert jax.device_count() == 2
         cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
@@ -909,7 +909,7 @@ def test_features_extend_when_the_data_grows(setup, tmp_path):
     """More answered prompts in the same order extend a feature folder: its full shards are
     kept, the partial one is redone; another order or fewer sequences are refused."""
     from specjax.loading import load_model
-    from training.features import FeatureStore, extract_features
+    from specjax.training.features import FeatureStore, extract_features
 
     model = load_model(setup["base"], dtype=jnp.float32)
     rng = np.random.default_rng(0)
@@ -939,14 +939,14 @@ def test_features_extend_when_the_data_grows(setup, tmp_path):
 
 
 def test_ship_takes_decoding_defaults_as_json_or_a_file(tmp_path, capsys):
-    """`python -m training.ship` writes float16 heads with the recommended settings, given as
+    """`python -m specjax.training.ship` writes float16 heads with the recommended settings, given as
     JSON text or as a file; unreadable JSON is a one-line error and writes nothing."""
     import types
 
     from specjax import ModelConfig, init_params
     from specjax.heads import load_heads
     from specjax.random_heads import random_head_checkpoint
-    from training.ship import main as ship
+    from specjax.training.ship import main as ship
 
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8)

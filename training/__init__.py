@@ -1,17 +1,17 @@
 """Training of draft heads (Medusa, EAGLE, ...) for a base model.
 
-`training.train.run(TrainConfig(...))` runs the whole pipeline; `specjax train` and
-`python -m training` are its command line. Submodules load lazily, so `specjax generate`
+`specjax.training.train.run(TrainConfig(...))` runs the whole pipeline; `specjax train` and
+`python -m specjax.training` are its command line. Submodules load lazily, so `specjax generate`
 does not pay for optax and orbax.
 """
 
 import importlib
 
 _EXPORTS = {
-    "DataError": "training.data", "PromptRecord": "training.data",
-    "read_prompt_file": "training.data", "METHODS": "training.methods",
-    "make_method": "training.methods", "TrainConfig": "training.train",
-    "TrainError": "training.train", "run": "training.train",
+    "DataError": "specjax.training.data", "PromptRecord": "specjax.training.data",
+    "read_prompt_file": "specjax.training.data", "METHODS": "specjax.training.methods",
+    "make_method": "specjax.training.methods", "TrainConfig": "specjax.training.train",
+    "TrainError": "specjax.training.train", "run": "specjax.training.train",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -20,4 +20,4 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'training' has no attribute {name!r}")
+    raise AttributeError(f"module 'specjax.training' has no attribute {name!r}")

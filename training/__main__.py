@@ -1,4 +1,4 @@
-"""`python -m training ...`: the same as `specjax train ...` (same parser, same one-line errors)."""
+"""`python -m specjax.training ...`: the same as `specjax train ...` (same parser, same one-line errors)."""
 
 import sys
 

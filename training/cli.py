@@ -1,4 +1,4 @@
-"""`specjax train` (also `python -m training`): self-distill, extract features, train, evaluate.
+"""`specjax train` (also `python -m specjax.training`): self-distill, extract features, train, evaluate.
 
 Errors print one line on stderr and exit non-zero; `--debug` shows the traceback instead.
 """
@@ -11,8 +11,8 @@ import sys
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Register the `train` sub-command on an argparse subparsers object."""
-    from training.losses import TOKEN_LOSSES
-    from training.methods import METHODS
+    from specjax.training.losses import TOKEN_LOSSES
+    from specjax.training.methods import METHODS
 
     p = subparsers.add_parser(
         "train", help="train draft heads (Medusa, EAGLE, EAGLE-3, ReDrafter) for a base model",
@@ -97,8 +97,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args):
-    from training.methods import method_options
-    from training.train import TrainConfig, TrainError
+    from specjax.training.methods import method_options
+    from specjax.training.train import TrainConfig, TrainError
 
     # The last five are method options: None means the method's default.
     for name in ("steps", "batch_size", "max_len", "save_every", "max_new_tokens",
@@ -144,7 +144,7 @@ def config_from_args(args):
 
 def run_train(args) -> int:
     """Run `specjax train` from parsed arguments; prints where the results went."""
-    from training.train import run
+    from specjax.training.train import run
 
     cfg = config_from_args(args)
     res = run(cfg, stop_after=args.stop_after, progress=not args.no_progress)
@@ -169,7 +169,7 @@ def run_train(args) -> int:
 
 def add_synthesize_parser(subparsers) -> argparse.ArgumentParser:
     """Register `synthesize-prompts`: user requests the base model writes itself (Magpie)."""
-    from training.synthesize import SynthesisConfig
+    from specjax.training.synthesize import SynthesisConfig
 
     d = SynthesisConfig()
     p = subparsers.add_parser(
@@ -201,7 +201,7 @@ def run_synthesize(args) -> int:
     import jax.numpy as jnp
 
     from specjax.loading import load_model
-    from training.synthesize import SynthesisConfig, SynthesisError, synthesize_prompts
+    from specjax.training.synthesize import SynthesisConfig, SynthesisError, synthesize_prompts
 
     if args.batch_size < 1:
         raise SynthesisError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from training.data import PromptRecord, encode_record
+from specjax.training.data import PromptRecord, encode_record
 
 
 def evaluate(model, proposer, proposer_params, records: Sequence[PromptRecord], *,

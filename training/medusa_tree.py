@@ -10,7 +10,7 @@ prefixes (a child is never more frequent than its parent, so they form a tree). 
 Medusa paper's tree construction with measured prefix frequencies in place of its product of
 per-head accuracies, which assumes the heads err independently.
 
-    python -m training.medusa_tree --heads specjax/shipped_heads/smollm2-135m/medusa \
+    python -m specjax.training.medusa_tree --heads specjax/shipped_heads/smollm2-135m/medusa \
         --data runs/mix3 --nodes 4 8 16 63 --out runs/medusa_trees.json
 
 Measure on features the heads were not trained on (another data folder of the same base model).
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
 
 def find_final_features(data) -> Path:
     """The feature folder with final hidden states in a data folder (or data itself)."""
-    from training.features import FEATURES_DIR
+    from specjax.training.features import FEATURES_DIR
 
     data = Path(data)
     if (data / "meta.json").exists():
@@ -194,7 +194,7 @@ def fit_trees(heads, data, base="smollm2-135m", nodes=(4, 8, 16, 32, 63), max_ra
     from specjax.loading import load_model
     from specjax.methods import make_proposer
     from specjax.proposers.medusa import MEDUSA_TREES
-    from training.features import FeatureStore
+    from specjax.training.features import FeatureStore
 
     if any(n < 1 for n in nodes) or max_rank < 1:
         raise ValueError("--nodes and --max-rank must be >= 1")

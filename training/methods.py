@@ -19,8 +19,8 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.model import init_params as init_model_params
 from specjax.model import lm_head_weight
-from training import losses
-from training.features import FeatureSpec, scratch_cache
+from specjax.training import losses
+from specjax.training.features import FeatureSpec, scratch_cache
 
 
 class TrainMethod:

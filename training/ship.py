@@ -1,6 +1,6 @@
 """Package trained heads for the project: float16 weights, recommended decoding settings, a card.
 
-    python -m training.ship RUN/heads specjax/shipped_heads/smollm2-135m/eagle \
+    python -m specjax.training.ship RUN/heads specjax/shipped_heads/smollm2-135m/eagle \
         --defaults '{"eagle2": {"eagle_total_tokens": 8}}' --card card.md
 """
 

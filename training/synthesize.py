@@ -65,7 +65,7 @@ def _is_ours(rec) -> bool:
 def _read_kept(path: Path) -> list[dict]:
     """Records already written (a torn last line is cut off); any other file is refused
     untouched."""
-    from training.data import DataError, read_appended_jsonl
+    from specjax.training.data import DataError, read_appended_jsonl
 
     if path.exists() and path.stat().st_size:
         with open(path, "rb") as f:
@@ -93,7 +93,7 @@ def synthesize_prompts(model, n: int, out, cfg: SynthesisConfig = SynthesisConfi
 
     from specjax.generate import Engine, bucket
     from specjax.sampling import SamplingConfig
-    from training.data import end_of_turn_ids
+    from specjax.training.data import end_of_turn_ids
 
     if n < 1:
         raise SynthesisError(f"the number of prompts must be >= 1, got {n}")

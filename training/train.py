@@ -24,8 +24,8 @@ import optax
 from flax import struct
 
 from specjax.config import ModelConfig
-from training.features import FeatureStore
-from training.methods import TrainMethod
+from specjax.training.features import FeatureStore
+from specjax.training.methods import TrainMethod
 
 RUN_FILE = "train.json"
 METRICS_FILE = "metrics.jsonl"
@@ -403,7 +403,7 @@ def check_out_dir(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> None:
 
 
 def _method_kind(name: str) -> str:
-    from training.methods import METHODS
+    from specjax.training.methods import METHODS
 
     return METHODS[name].kind if name in METHODS else name
 
@@ -423,7 +423,7 @@ def _as_json(d: dict) -> dict:
 
 def select_prompts(cfg: TrainConfig, records, tokenizer):
     """(train indices, held-out eval indices): round-robin over categories, short prompts only."""
-    from training.data import encode_record, spread_over_categories
+    from specjax.training.data import encode_record, spread_over_categories
 
     lengths: dict[int, int] = {}
 
@@ -444,7 +444,7 @@ def select_prompts(cfg: TrainConfig, records, tokenizer):
 
 def training_store(root: Path, extra_data: Sequence[str], data_dir: Path) -> FeatureStore:
     """The features of this run's data folder, followed by those of the same spec in extra_data."""
-    from training.features import FEATURES_DIR, FeatureStores
+    from specjax.training.features import FEATURES_DIR, FeatureStores
 
     store = FeatureStore(root)
     if not extra_data:
@@ -473,9 +473,9 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     from specjax.cpu.matmul import unpack_params
     from specjax.heads import save_heads
     from specjax.loading import load_model
-    from training.data import DistillConfig, distill, read_prompt_file, sequences_of
-    from training.features import extract_features
-    from training.methods import make_method
+    from specjax.training.data import DistillConfig, distill, read_prompt_file, sequences_of
+    from specjax.training.features import extract_features
+    from specjax.training.methods import make_method
 
     if cfg.until not in STAGES:
         raise TrainError(f"unknown stage '{cfg.until}' (stages: {', '.join(STAGES)})")
@@ -494,7 +494,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     result: dict = {"out": cfg.out}
     train_idx, eval_idx = select_prompts(cfg, records, model.tokenizer)
     if cfg.only_distilled:
-        from training.data import distilled_indices
+        from specjax.training.data import distilled_indices
 
         done = distilled_indices(cfg.data_dir)
         train_idx = [i for i in train_idx if i in done]
@@ -536,7 +536,7 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     result["heads"] = str(heads)
     if cfg.until == "train" or not eval_idx:
         return result
-    from training.evaluate import evaluate, write_report
+    from specjax.training.evaluate import evaluate, write_report
 
     proposer, pparams = method.proposer(heads, model)
     report = evaluate(model, proposer, pparams, [records[i] for i in eval_idx],

@@ -1,7 +1,7 @@
 """Tree-masked attention over the paged KV cache on CPU through a native kernel
 (`paged_attention.cc`), tested against the XLA reference it replaces.
 
-XLA's version (kernels_pallas.tree_paged_attention_reference) copies every page a sequence owns,
+XLA's version (specjax.kernels_pallas.tree_paged_attention_reference) copies every page a sequence owns,
 appends a pass's new rows, masks and softmaxes over every slot: ~4 ms of a one-token SmolLM2
 step at 512 tokens of context and ~9 ms of an 8-token verify pass, more than the attention's
 arithmetic. The kernel walks each query row's visible keys straight from the pages, in slot
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.tree_paged_attention_reference import attention_with_new_rows
+from specjax.kernels_pallas.tree_paged_attention_reference import attention_with_new_rows
 from specjax.cpu.native import register
 
 TARGET = "specjax_paged_attention"

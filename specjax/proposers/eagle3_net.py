@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import write_paged_kv
+from specjax.kernels_pallas import write_paged_kv
 from specjax.attention import paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
