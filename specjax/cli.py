@@ -11,9 +11,8 @@ import os
 import sys
 
 from specjax import settings
-from specjax.draft_tree import TREE_RULES
-from specjax.method_configs import METHODS, MethodError
-from specjax.methods import as_flags
+from specjax.method_configs import (METHODS, MethodError, add_option_flags, as_flags, given_options,
+                                    method_config)
 from specjax.prompts import encode_prompt, read_prompt_file  # noqa: F401  (encode_prompt: public here)
 
 
@@ -57,7 +56,7 @@ def _add_generate(sub):
     p.add_argument("--cache-pages", type=int, default=None, help="KV pages in the pool")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    _add_method_args(p)
+    add_option_flags(p)
     par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through "
                                "jax.distributed)")
     par.add_argument("--tp", type=int, default=1,
@@ -68,90 +67,6 @@ def _add_generate(sub):
                      help="multi-host: address of process 0 (run the same command on every host)")
     par.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
     par.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
-
-
-def _add_method_args(p):
-    """--method's option flags (generate and serve): each is a method option of the same name."""
-    d = p.add_argument_group("draft (Draft-Target-Model)")
-    d.add_argument("--max-draft-len", type=int, default=None, help="tokens drafted per step "
-                   "(default 4)")
-    d.add_argument("--use-logits", action="store_true",
-                   help="accept by min(1, p/q) with the draft's probabilities (else token match)")
-    d.add_argument("--draft-layers", type=int, default=None,
-                   help="self-draft from the target's first N layers (default 8)")
-    d.add_argument("--draft-model", default=None, help="a draft model (name, dir or .gguf)")
-    k = p.add_argument_group("pld (Prompt-Lookup)")
-    k.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="(default 10)")
-    k.add_argument("--max-matching-ngram-size", type=int, default=None, help="(default 3)")
-    k.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
-                   help="medusa, eagle methods, redrafter: also draft the prompt-lookup "
-                        "continuation (up to N tokens, n-grams of --min/--max-matching-ngram-"
-                        "size) grafted onto the tree, verified in the same pass (default: the "
-                        "heads' decoding_defaults)")
-    k.add_argument("--no-lookup", action="store_true",
-                   help="head methods: no prompt-lookup graft, even where the heads recommend one")
-    k.add_argument("--lookup-width", type=int, default=None, metavar="W",
-                   help="with --lookup-tokens: verify a step with a continuation at most W "
-                        "wide, the tree's last (lowest-ranked) nodes giving way to its tokens")
-    md = p.add_argument_group("medusa")
-    md.add_argument("--heads", default=None, help="draft-head checkpoint (specjax format)")
-    md.add_argument("--medusa-choices", default=None,
-                    help="tree as JSON paths of top-k ranks, e.g. '[[0], [0, 0], [1]]', or "
-                         "mc_sim_7b_63 (Medusa's 63-node tree); leaf paths alone are completed "
-                         "(default: the heads' decoding_defaults, else mc_sim_7b_63)")
-    md.add_argument("--posterior-threshold", type=float, default=None,
-                    help="typical acceptance (LOSSY: output no longer follows the model's "
-                         "distribution; Medusa uses 0.09); sampling only")
-    md.add_argument("--posterior-alpha", type=float, default=None, help="(default 0.3)")
-    e = p.add_argument_group("eagle, eagle2, eagle3 (EAGLE-1 static tree; EAGLE-2 and EAGLE-3 "
-                             "dynamic trees; --heads)")
-    e.add_argument("--eagle-choices", default=None,
-                   help="EAGLE-1 tree as JSON paths of top-k ranks (default: SafeAILab's 25-node "
-                        "tree)")
-    e.add_argument("--eagle-total-tokens", type=int, default=None,
-                   help="EAGLE-2/3: tree nodes verified per step, root included (default 63)")
-    e.add_argument("--eagle-depth", type=int, default=None,
-                   help="EAGLE-2/3: expansion passes after the first, so paths of up to depth + 1 "
-                        "drafted tokens (default 5)")
-    e.add_argument("--eagle-draft-vocab", type=int, default=None,
-                   help="EAGLE-1/2: draft only the N most frequent tokens (heads trained by "
-                        "specjax store the order; default: the heads' decoding_defaults, else "
-                        "all the heads store)")
-    e.add_argument("--eagle-top-k", type=int, default=None,
-                   help="EAGLE-2/3: children per expanded node and nodes expanded per depth "
-                        "(default 8)")
-    e.add_argument("--min-draft-prob", type=float, default=None,
-                   help="medusa and eagle methods: verify only drafted nodes whose cumulative "
-                        "draft probability is at least this (0: all; default: the heads' "
-                        "decoding_defaults, else 0); steps with unlikely drafts run narrower, "
-                        "down to a plain decode step. Top-k trees only (greedy, or sampling "
-                        "with --acceptance match)")
-    e.add_argument("--acceptance", choices=TREE_RULES, default=None,
-                   help="medusa and eagle methods, when sampling: recursive (children drawn "
-                        "without replacement from the draft, recursive rejection sampling; the "
-                        "default where the tree allows), traversal (the same trees verified "
-                        "leaves first with path weights; trees of fixed shape) or match (the "
-                        "target's sample must equal a top-k child)")
-    r = p.add_argument_group("redrafter (ReDrafter: recurrent drafter + beam search; --heads)")
-    r.add_argument("--redrafter-num-beams", type=int, default=None,
-                   help="beams drafted per step (default: the heads' recommendation, else 5)")
-    r.add_argument("--redrafter-draft-len-per-beam", type=int, default=None,
-                   help="tokens each beam drafts (default: the heads' recommendation, else 5)")
-    r.add_argument("--redrafter-no-greedy-search", action="store_true",
-                   help="sample the beams at the request's temperature instead of beam search")
-    r.add_argument("--redrafter-warp-top-k", type=int, default=None,
-                   help="beam search keeps the drafter's K best tokens per step (0: all; "
-                        "default 50)")
-    la = p.add_argument_group("lookahead (Jacobi window + n-gram pool)")
-    la.add_argument("--lookahead", default=None, metavar="W,N,G",
-                    help="max_window_size, max_ngram_size, max_verification_set_size "
-                         "(TensorRT-LLM's names; default 7,5,7)")
-    la.add_argument("--lookahead-accept-window", action="store_true",
-                    help="also accept the window's own chains from the pending token (Jacobi "
-                         "decoding's acceptance; off in the references)")
-    k.add_argument("--min-matching-ngram-size", type=int, default=None,
-                   help="shortest n-gram to match (default 1, or the heads' decoding_defaults "
-                        "for a graft; 2 suits CPUs, where verifying costs more)")
 
 
 def _add_convert(sub):
@@ -185,84 +100,18 @@ def _validate_generate(args):
 
 
 def _validate_method_args(args):
-    """Checks of --method, its option flags and --page-size (generate and serve)."""
+    """Checks of --method and --page-size (generate and serve); the method's own flags are
+    checked by its config (`method_config_of`)."""
     if args.method not in METHODS:
         raise UsageError(f"unknown method '{args.method}' (available: {', '.join(METHODS)})")
     if args.page_size < 1:
         raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
-    for flag in ("max_draft_len", "prompt_lookup_num_tokens"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    args.lookahead_wng = None if args.lookahead is None else parse_lookahead(args.lookahead)
-    low = 1 if args.min_matching_ngram_size is None else args.min_matching_ngram_size
-    high = 3 if args.max_matching_ngram_size is None else args.max_matching_ngram_size
-    if not 1 <= low <= high:
-        raise UsageError("n-gram sizes must satisfy 1 <= --min-matching-ngram-size <= "
-                         f"--max-matching-ngram-size, got {low} and {high}")
-
-
-# flags of `specjax generate`/`serve` that are method options of the same name (`method_configs`)
-METHOD_FLAGS = ("max_draft_len", "draft_layers", "draft_model", "prompt_lookup_num_tokens",
-                "max_matching_ngram_size", "min_matching_ngram_size", "lookup_tokens",
-                "lookup_width", "heads", "posterior_threshold", "posterior_alpha",
-                "eagle_total_tokens", "eagle_depth", "eagle_top_k", "eagle_draft_vocab",
-                "min_draft_prob", "redrafter_num_beams", "redrafter_draft_len_per_beam",
-                "acceptance")
 
 
 def method_config_of(args):
     """The method config of `specjax generate`'s flags: the options the user gave, the rest
     left to the config's defaults and the heads' recommendations."""
-    from specjax.method_configs import method_config
-
-    options = {k: getattr(args, k) for k in METHOD_FLAGS if getattr(args, k) is not None}
-    for flag in ("use_logits", "lookahead_accept_window", "no_lookup"):
-        if getattr(args, flag):
-            options[flag] = True
-    if args.redrafter_no_greedy_search:
-        options["redrafter_greedy_search"] = False
-    if args.redrafter_warp_top_k is not None:
-        options["redrafter_warp_top_k"] = args.redrafter_warp_top_k or None
-    if args.lookahead_wng is not None:
-        options["lookahead"] = args.lookahead_wng
-    if args.medusa_choices is not None:
-        options["medusa_choices"] = _parse_choices(args.medusa_choices)
-    if args.eagle_choices is not None:
-        options["eagle_choices"] = _parse_choices(args.eagle_choices, "--eagle-choices")
-    return method_config(args.method, **options)
-
-
-def parse_lookahead(text: str) -> tuple[int, int, int]:
-    """(W, N, G) of `--lookahead W,N,G`, checked: W >= 1, N >= 2, G >= 1."""
-    try:
-        w, n, g = (int(x) for x in str(text).split(","))
-    except ValueError:
-        raise UsageError(f"--lookahead takes W,N,G (three integers, e.g. 7,5,7), got '{text}'") from None
-    if w < 1:
-        raise UsageError(f"--lookahead window size W must be >= 1, got {w}")
-    if n < 2:
-        raise UsageError(f"--lookahead n-gram size N must be >= 2, got {n}")
-    if g < 1:
-        raise UsageError(f"--lookahead verification set size G must be >= 1, got {g}")
-    return w, n, g
-
-
-def _parse_choices(text, flag: str = "--medusa-choices"):
-    if text is None:
-        return None
-    from specjax.proposers.medusa import MEDUSA_TREES
-
-    if flag == "--medusa-choices" and text.strip().lower() in MEDUSA_TREES:
-        return text.strip().lower()  # a named tree
-    try:
-        choices = json.loads(text)
-    except json.JSONDecodeError:
-        raise UsageError(f"{flag} is not valid JSON (e.g. '[[0], [0, 0], [1]]')") from None
-    if not (isinstance(choices, list) and choices
-            and all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in choices)):
-        raise UsageError(f"{flag} must be a JSON list of lists of integer ranks")
-    return choices
+    return method_config(args.method, **given_options(args))
 
 
 def _parallel_mesh(args):
@@ -383,7 +232,7 @@ def _add_serve(sub):
     p.add_argument("--dp", type=int, default=1,
                    help="data parallel: device groups the batch's rows are split over")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    _add_method_args(p)
+    add_option_flags(p)
 
 
 def cmd_serve(args) -> int:

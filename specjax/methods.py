@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import jax
@@ -14,7 +13,7 @@ from specjax.loading import Model, load_model
 from specjax.method_configs import (METHODS, DraftModelConfig, EagleConfig,  # noqa: F401
                                     LookaheadConfig, MedusaConfig, MethodError,
                                     PromptLookupConfig, RedrafterConfig, VanillaConfig,
-                                    method_config)
+                                    as_flags, method_config)
 from specjax.method_configs import _HeadMethod
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
@@ -73,11 +72,6 @@ def recommended(config, target: Model):
     return dataclasses.replace(config, heads=heads, **fill)
 
 
-def as_flags(message: str) -> str:
-    """A MethodError's message with its `option` names as the CLI's flags (--option)."""
-    return re.sub(r"`([a-z0-9_]+)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
-
-
 def make_proposer(config, target: Model, **options):
     """(proposer, proposer_params) for a method config; (None, None) for vanilla decoding.
 
@@ -114,7 +108,7 @@ def _build(config, target: Model):
         try:
             return PromptLookupProposer(config.prompt_lookup_num_tokens,
                                         config.max_matching_ngram_size,
-                                        config.min_matching_ngram_size), None
+                                        config.min_matching_ngram_size or 1), None
         except ValueError as e:
             raise MethodError(str(e)) from None
     if isinstance(config, DraftModelConfig):
@@ -131,8 +125,6 @@ def _build(config, target: Model):
 
 
 def _draft_model(config: DraftModelConfig, target: Model):
-    if config.draft_model is not None and config.draft_layers is not None:
-        raise MethodError("give either a draft model or draft layers, not both")
     if config.draft_model is not None:
         draft = load_model(config.draft_model, dtype=target.params["embed"].dtype)
         if draft.config.vocab_size != target.config.vocab_size:
@@ -319,11 +311,8 @@ def _medusa(target: Model, config: MedusaConfig):
     meta, variables = load_heads(heads, "medusa")
     check_compatible(meta, target.config, heads)
     num_heads = int(meta["num_heads"])
-    if isinstance(medusa_choices, str):  # a named tree, cut to the heads there are
-        if medusa_choices.lower() not in MEDUSA_TREES:
-            raise MethodError(f"unknown medusa_choices '{medusa_choices}' (a named tree: "
-                              f"{', '.join(MEDUSA_TREES)}, or a list of paths)")
-        medusa_choices = [c for c in MEDUSA_TREES[medusa_choices.lower()] if len(c) <= num_heads]
+    if isinstance(medusa_choices, str):  # a named tree (checked by MedusaConfig), cut to the heads
+        medusa_choices = [c for c in MEDUSA_TREES[medusa_choices] if len(c) <= num_heads]
     if medusa_choices is None:  # the default tree, cut to the heads there are
         medusa_choices = [c for c in MC_SIM_7B_63 if len(c) <= num_heads]
     try:

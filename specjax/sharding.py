@@ -180,7 +180,7 @@ def shard_proposer_params(proposer, params, mesh: Mesh, vocab_size: int):
         return None
     tp = tp_size(mesh)
     config = proposer.config
-    unfuse = tp > 1 and _splittable(config, tp) and proposer.variant != "eagle3"
+    unfuse = tp > 1 and _splittable(config, tp) and proposer.splits_draft_layers
 
     def walk(node):
         if isinstance(node, dict):

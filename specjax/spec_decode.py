@@ -101,10 +101,10 @@ class ProposerBase:
     # update() keeps the state right after a step whose propose() did not run (a tree of the
     # root alone verified): a server may then skip drafting when it verifies nothing drafted
     propose_may_be_skipped: bool = False
-    # the draft network's decoder config (sharding splits its layers like the target's), and
-    # the EAGLE variant ("eagle3" nets stay replicated)
+    # the draft network's decoder config (None: none), and whether sharding may split its
+    # layers over tensor-parallel devices like the target's (else they stay replicated)
     config = None
-    variant: str | None = None
+    splits_draft_layers: bool = True
 
     @property
     def draft_scratch(self) -> int:
@@ -128,6 +128,28 @@ class ProposerBase:
         """(lo, hi): the only nodes whose `SpecContext.node_argmax` update() reads, so sampled
         steps take the argmax of those rows alone (None: every node)."""
         return None
+
+
+def contract_members() -> tuple[str, ...]:
+    """Every member of the proposer contract: the `Proposer` protocol's and the optional parts
+    `ProposerBase` gives defaults for."""
+    protocol = [*Proposer.__annotations__, *(n for n in vars(Proposer) if not n.startswith("_"))]
+    optional = [n for n in vars(ProposerBase) if not n.startswith("_")]
+    return tuple(dict.fromkeys(protocol + optional))
+
+
+class ProposerWrapper(ProposerBase):
+    """A proposer around another one, its `base` (a dataclass field of the subclass): every
+    contract member the wrapper does not define itself is the base's, so no member silently
+    takes `ProposerBase`'s default, and a member added to the contract is forwarded too."""
+
+
+def _forwarded(name: str) -> property:
+    return property(lambda self: getattr(self.base, name), doc=f"The base proposer's `{name}`.")
+
+
+for _name in contract_members():
+    setattr(ProposerWrapper, _name, _forwarded(_name))
 
 
 class StatelessProposer(ProposerBase):

@@ -157,7 +157,7 @@ def test_eagle_errors(eagle_dir, tmp_path, tiny_llama, capsys, case, words):
         args[-1] = "eagle"
         args += ["--heads", str(tmp_path / "sj"), "--eagle-depth", "2"]
     elif case == "vocab":
-        args += ["--heads", str(tmp_path / "sj"), "--eagle-draft-vocab", "0"]
+        args += ["--heads", str(tmp_path / "sj"), "--eagle-draft-vocab", "1000"]
     elif case == "too-many":
         args += ["--heads", str(tmp_path / "sj"), "--eagle-total-tokens", "100",
                  "--eagle-depth", "1", "--eagle-top-k", "2"]

@@ -148,7 +148,7 @@ def test_graft_refuses_lossy_rules_and_bad_options(target):
     model = Model(params=target, config=CFG, path=None, hf_config={})
     with pytest.raises(MethodError, match="not pld"):
         make_proposer("pld", model, lookup_tokens=4)
-    with pytest.raises(MethodError, match="prompt_lookup_num_tokens must be >= 1"):
+    with pytest.raises(MethodError, match="--lookup-tokens must be >= 1, got 0"):
         make_proposer("eagle2", model, lookup_tokens=0, heads="unused")
     with pytest.raises(MethodError, match="--lookup-width applies with --lookup-tokens"):
         make_proposer("eagle2", model, lookup_width=8, heads="unused")

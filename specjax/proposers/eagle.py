@@ -86,6 +86,11 @@ class _EagleBase(ProposerBase):
     min_prob: float = 0.0  # top-k trees: verify only drafts of cumulative probability >= this
 
     @property
+    def splits_draft_layers(self) -> bool:
+        """EAGLE-1/2's draft layer splits like the target's; EAGLE-3's network stays replicated."""
+        return self.variant != "eagle3"
+
+    @property
     def likely_widths(self) -> tuple[int, ...]:
         """Under a confidence floor a tree keeps a prefix of any length, so every width is
         verified as it is (`verify_pruned`): a step pays only for the nodes it kept."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specjax.accept import acceptable_nodes
 from specjax.draft_tree import DRAWN_RULES, TREE_RULES, DraftTree
 from specjax.proposers.prompt_lookup import PromptLookupProposer
-from specjax.spec_decode import ProposerBase
+from specjax.spec_decode import ProposerWrapper
 
 
 def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) -> DraftTree:
@@ -79,7 +79,7 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
 
 
 @dataclasses.dataclass(frozen=True)
-class LookupGraftProposer(ProposerBase):
+class LookupGraftProposer(ProposerWrapper):
     """`base`'s draft tree plus `lookup`'s prompt-lookup chain (see `graft_chain`).
 
     The base proposer keeps its own state, pools and update (its update sees the accepted path
@@ -109,10 +109,6 @@ class LookupGraftProposer(ProposerBase):
                              f"drafted), got {self.width}")
 
     @property
-    def rule(self) -> str:
-        return self.base.rule
-
-    @property
     def tree_size(self) -> int:
         return self.base.tree_size + self.lookup.prompt_lookup_num_tokens
 
@@ -128,34 +124,8 @@ class LookupGraftProposer(ProposerBase):
         widths = (self.base.tree_size, *self.base.likely_widths)
         return widths if self.width is None else (*widths, self.width)
 
-    # The base's own optional parts (its features, scratch slots, the nodes its update reads,
-    # and what sharding its parameters needs), stated one by one.
-    needs_prompt_features = property(lambda self: self.base.needs_prompt_features)
-    resumes_from_prefix_pairs = property(lambda self: self.base.resumes_from_prefix_pairs)
-    feature_layers = property(lambda self: self.base.feature_layers)
-    draft_scratch = property(lambda self: self.base.draft_scratch)
-    argmax_nodes = property(lambda self: self.base.argmax_nodes)
-    config = property(lambda self: self.base.config)
-    variant = property(lambda self: self.base.variant)
-
-    def make_pools(self, num_pages, page_size, dtype):
-        return self.base.make_pools(num_pages, page_size, dtype)
-
-    def init(self, params, pools, ctx, prompt_chunk, prompt_len):
-        return self.base.init(params, pools, ctx, prompt_chunk, prompt_len)
-
     def propose(self, params, state, ctx, keys, sampling):
         tree, state = self.base.propose(params, state, ctx, keys, sampling)
         found, _ = self.lookup.propose(None, (), ctx, keys, sampling)
         count = jnp.sum(found.valid[:, 1:], axis=1).astype(jnp.int32)
         return graft_chain(tree, found.tokens[:, 1:], count, self.width), state
-
-    @property
-    def propose_may_be_skipped(self):
-        return self.base.propose_may_be_skipped
-
-    def update(self, params, state, ctx, result, active):
-        return self.base.update(params, state, ctx, result, active)
-
-    def pools_of(self, state):
-        return self.base.pools_of(state)

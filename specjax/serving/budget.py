@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from specjax.draft_tree import DraftTree
-from specjax.spec_decode import ProposerBase
+from specjax.spec_decode import ProposerWrapper
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetedProposer(ProposerBase):
+class BudgetedProposer(ProposerWrapper):
     """`base` with its trees cut to their first `params["budget"]` nodes; params are
     {"base": the base's params, "budget": int32}. `widths`: the budgets a server may choose,
     each verified at exactly that width. `drafting=False` (see `without_drafting`) verifies the
@@ -34,61 +34,10 @@ class BudgetedProposer(ProposerBase):
     widths: tuple
     drafting: bool = True
 
-    # every part of the Proposer protocol is the base's, but the widths verify_pruned may take
-    @property
-    def tree_size(self):
-        return self.base.tree_size
-
-    @property
-    def is_chain(self):
-        return self.base.is_chain
-
-    @property
-    def rule(self):
-        return self.base.rule
-
-    @property
-    def needs_prompt_features(self):
-        return self.base.needs_prompt_features
-
-    @property
-    def resumes_from_prefix_pairs(self):
-        return self.base.resumes_from_prefix_pairs
-
-    @property
-    def feature_layers(self):
-        return self.base.feature_layers
-
-    @property
-    def config(self):
-        return self.base.config
-
-    @property
-    def variant(self):
-        return self.base.variant
-
+    # every contract member is the base's (ProposerWrapper) but these
     @property
     def likely_widths(self):
         return tuple(sorted(set(self.base.likely_widths) | set(self.widths)))
-
-    @property
-    def rule_options(self):
-        return self.base.rule_options
-
-    @property
-    def draft_scratch(self):
-        return self.base.draft_scratch
-
-    @property
-    def max_path_len(self):
-        return self.base.max_path_len
-
-    @property
-    def argmax_nodes(self):
-        return self.base.argmax_nodes
-
-    def make_pools(self, num_pages, page_size, dtype):
-        return self.base.make_pools(num_pages, page_size, dtype)
 
     def init(self, params, pools, ctx, prompt_chunk, prompt_len):
         return self.base.init(params["base"], pools, ctx, prompt_chunk, prompt_len)
@@ -131,9 +80,6 @@ class BudgetedProposer(ProposerBase):
             ctx = ctx.replace(path_hidden=None if ctx.path_hidden is None
                               else ctx.path_hidden[:, :1])
         return self.base.update(params["base"], state, ctx, result, active)
-
-    def pools_of(self, state):
-        return self.base.pools_of(state)
 
 
 def budget_widths(proposer) -> tuple[int, ...]:
