@@ -225,58 +225,26 @@ def _default_rule(options, paths=None) -> str:
 def _eagle(target: Model, options: EagleConfig):
     """EAGLE-1 (static tree, `eagle_choices`), EAGLE-2 (dynamic tree) over EAGLE heads, or
     EAGLE-3 (dynamic tree) over EAGLE-3 heads."""
-    from specjax.cpu.draft_weights import draft_weights
-    from specjax.model import lm_head_weight
     from specjax.proposers.eagle import EAGLE_DEFAULT_TREE, EagleDynamicProposer, EagleTreeProposer
+    from specjax.proposers.eagle3_net import load_eagle3
+    from specjax.proposers.eagle_net import load_eagle
 
-    method, heads, draft_vocab = options.method, options.heads, options.eagle_draft_vocab
+    method, heads = options.method, options.heads
     _check_floor(options.min_draft_prob)
     if heads is None:
         kind = "EAGLE-3" if method == "eagle3" else "EAGLE"
         raise MethodError(f"method {method} needs `heads` PATH (a specjax {kind} head checkpoint)")
-    dtype = target.params["embed"].dtype
-    cast = lambda tree: jax.tree_util.tree_map(  # noqa: E731  (integer maps keep their type)
-        lambda a: a.astype(dtype) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a, tree)
-    network = {}
-    if method == "eagle3":
-        from specjax.heads import check_compatible
-        from specjax.proposers.eagle3_net import feature_layers_of, load_eagle3_heads
-
-        config, net, meta = load_eagle3_heads(heads)
-        check_compatible(meta, target.config, heads)
-        network = {"variant": "eagle3",
-                   "feature_layers": feature_layers_of(meta, target.config.num_layers)}
-    else:
-        from specjax.proposers.eagle_net import load_eagle_heads
-
-        config, net = load_eagle_heads(heads, target.config)
-    params = {"net": cast(net), "embed": target.params["embed"],
-              "lm_head": lm_head_weight(target.params)}
-    if method == "eagle3" and draft_vocab is not None:
-        raise MethodError("`eagle_draft_vocab` is an EAGLE-1/2 option: EAGLE-3 heads have their "
-                          "own draft vocabulary")
-    if method != "eagle3" and ("draft_ids" in net or draft_vocab is not None):
-        from specjax.proposers.eagle_net import draft_vocabulary
-
-        ids = net.pop("draft_ids", jax.numpy.arange(target.config.vocab_size))
-        params["net"].pop("draft_ids", None)
-        try:
-            params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids,
-                                                                      draft_vocab)
-        except ValueError as e:
-            raise MethodError(str(e)) from None
-    # the fc as `linear` takes it ([D, 2D], EAGLE-3 [D, 3D]), and the draft's own products in
-    # the draft weights type on the CPU kernel (`draft_weights`; the target's embedding stays)
-    params["net"]["fc"] = {**params["net"]["fc"], "weight": params["net"]["fc"]["kernel"].T}
-    del params["net"]["fc"]["kernel"]
-    own = ("layers", "fc", "lm_head") if method == "eagle3" else ("layers", "fc")
-    params["net"] = {**params["net"], **draft_weights(
-        {k: v for k, v in params["net"].items() if k in own})}
-    if "lm_head" in params and method != "eagle3":
-        params["lm_head"] = draft_weights(params["lm_head"])
+    try:
+        net, config, params = (load_eagle3 if method == "eagle3" else load_eagle)(
+            heads, target, options.eagle_draft_vocab)
+    except ValueError as e:
+        if type(e).__name__ == "CheckpointError":
+            raise
+        raise MethodError(str(e)) from None
     tree = {"total_tokens": options.eagle_total_tokens, "depth": options.eagle_depth,
             "top_k": options.eagle_top_k}
     given = {k: v for k, v in tree.items() if v is not None}
+    network = {"net": net}
     if options.min_draft_prob is not None:
         network["min_prob"] = float(options.min_draft_prob)
     eagle_choices = options.eagle_choices

@@ -12,6 +12,7 @@ import pytest
 from specjax import Engine, ModelConfig, init_params
 from specjax.model import lm_head_weight
 from specjax.proposers.eagle import EagleChainProposer, EagleDynamicProposer, EagleTreeProposer
+from specjax.proposers.eagle3_net import Eagle3Net
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=512)
@@ -252,9 +253,9 @@ def random_eagle3(target, key, draft_vocab=40):
 def test_eagle3_greedy_equals_vanilla(target, kind):
     cfg3, pparams, layers = random_eagle3(target, jax.random.PRNGKey(4))
     if kind == "chain":
-        proposer = EagleChainProposer(cfg3, variant="eagle3", feature_layers=layers, max_draft_len=3)
+        proposer = EagleChainProposer(cfg3, net=Eagle3Net(layers), max_draft_len=3)
     else:
-        proposer = EagleDynamicProposer(cfg3, variant="eagle3", feature_layers=layers,
+        proposer = EagleDynamicProposer(cfg3, net=Eagle3Net(layers),
                                         total_tokens=10, depth=3, top_k=3)
     eng = Engine(target, CFG, num_pages=256, page_size=4)
     vanilla = eng.generate(PROMPTS, 20, eos_token_ids=())
@@ -270,7 +271,7 @@ def test_eagle3_tree_nodes_are_in_the_draft_vocabulary(target):
     from specjax.proposers.eagle3_net import draft_to_target
 
     cfg3, pparams, layers = random_eagle3(target, jax.random.PRNGKey(8))
-    proposer = EagleDynamicProposer(cfg3, variant="eagle3", feature_layers=layers,
+    proposer = EagleDynamicProposer(cfg3, net=Eagle3Net(layers),
                                     total_tokens=8, depth=2, top_k=3)
 
     state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0], layers)

@@ -25,9 +25,9 @@ probability would make its presence depend on its token.
 
 Tree nodes drafted over several calls sit in draft-cache scratch slots after the committed pairs;
 each call attends to its ancestors there through a mask over those slots.
-`variant` selects the network: "eagle" (EAGLE-1/2: fc over [embedding; feature], the target's
-lm_head, or its rows of frequent tokens with params["draft_ids"]) or "eagle3" (three fused target
-layers, own reduced-vocabulary lm_head).
+`net` is the draft network, chosen once: `EagleNet` (EAGLE-1/2: fc over [embedding; feature],
+the target's lm_head, or its rows of frequent tokens with params["draft_ids"]) or `Eagle3Net`
+(three fused target layers, own reduced-vocabulary lm_head).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from specjax.draft_tree import (DRAWN_RULES, TREE_RULES, DraftTree, chain, check
                                 check_recursive_tree, drawn_static_tree, on_vocabulary,
                                 reaches_floor, static_draft_tree, static_tree)
 from specjax.model import causal_mask
-from specjax.proposers.eagle_net import eagle_forward, eagle_logits
+from specjax.proposers.eagle3_net import Eagle3Net
+from specjax.proposers.eagle_net import EagleNet
 from specjax.sampling import gumbel_top_k, processed_logprobs
 from specjax.spec_decode import ProposerBase
 
@@ -77,8 +78,7 @@ class _EagleBase(ProposerBase):
     propose_may_be_skipped = True
 
     config: ModelConfig  # the draft network's (hidden size and heads of the target, few layers)
-    variant: str = "eagle"  # "eagle" (EAGLE-1/2 network) or "eagle3"
-    feature_layers: tuple = ()  # target layers whose outputs EAGLE-3 fuses ((): final hidden)
+    net: EagleNet | Eagle3Net = EagleNet()  # the network, chosen once (EAGLE-1/2's or EAGLE-3's)
     rule: str = "match"
     rules = ("match",)  # the lossless rules its trees are drawn for
     needs_prompt_features: bool = True
@@ -86,9 +86,12 @@ class _EagleBase(ProposerBase):
     min_prob: float = 0.0  # top-k trees: verify only drafts of cumulative probability >= this
 
     @property
+    def feature_layers(self) -> tuple:
+        return self.net.feature_layers
+
+    @property
     def splits_draft_layers(self) -> bool:
-        """EAGLE-1/2's draft layer splits like the target's; EAGLE-3's network stays replicated."""
-        return self.variant != "eagle3"
+        return self.net.splits_layers
 
     @property
     def likely_widths(self) -> tuple[int, ...]:
@@ -102,58 +105,30 @@ class _EagleBase(ProposerBase):
             names = ", ".join(self.rules[:-1]) + " or " * (len(self.rules) > 1) + self.rules[-1]
             raise ValueError(f"this EAGLE proposer verifies with the {names} rule, not "
                              f"{self.rule!r}")
-        if self.variant not in ("eagle", "eagle3"):
-            raise ValueError(f"unknown EAGLE variant '{self.variant}' (eagle or eagle3)")
-        if self.variant == "eagle3" and len(self.feature_layers) != 3:
-            raise ValueError("EAGLE-3 fuses three target layers: give feature_layers=(low, mid, high)")
 
-    # The draft network, by variant.
     def _forward(self, params, cache, tokens, features, positions, mask, valid, slots=None):
-        if self.variant == "eagle3":
-            from specjax.proposers.eagle3_net import eagle3_forward
-
-            fwd = eagle3_forward
-        else:
-            fwd = eagle_forward
-        return fwd(params["net"], self.config, params["embed"], tokens, features, positions,
-                   cache, mask, valid, slots=slots)
+        return self.net.forward(params, self.config, tokens, features, positions, cache, mask,
+                                valid, slots=slots)
 
     def _target_features(self, params, features):
         """The target's features as the draft reads them (EAGLE-3 fuses its three layers)."""
-        if self.variant == "eagle3":
-            from specjax.proposers.eagle3_net import eagle3_fuse
-
-            return eagle3_fuse(params["net"], features)
-        return features
+        return self.net.fuse(params, features)
 
     def _top(self, params, hidden, k: int):
         """(log-probs, target token ids) of the draft's k best tokens after each hidden state."""
-        rows = (params["net"]["lm_head"] if self.variant == "eagle3" else params["lm_head"]).shape[0]
+        rows = self.net.vocab_rows(params)
         if k > rows:
             raise ValueError(f"the tree asks for the draft's top {k} tokens but its vocabulary "
                              f"has {rows}")
-        if self.variant == "eagle3":
-            from specjax.proposers.eagle3_net import draft_to_target, eagle3_logits
-
-            logp, ids = top_log_probs(eagle3_logits(params["net"], self.config, hidden), k)
-            return logp, draft_to_target(params["net"], ids).astype(jnp.int32)
-        logp, ids = top_log_probs(eagle_logits(hidden, params["lm_head"]), k)
-        if "draft_ids" in params:  # lm_head holds only these target ids' rows
-            ids = params["draft_ids"][ids]
-        return logp, ids.astype(jnp.int32)
+        logp, ids = top_log_probs(self.net.logits(params, self.config, hidden), k)
+        return logp, self.net.target_ids(params, ids).astype(jnp.int32)
 
     def _draft_logprobs(self, params, hidden, sampling):
         """(log q [.., R] over the draft's vocabulary after the request's temperature/top-k/
         top-p, the target ids of its R tokens): the distribution the `recursive` rule draws
         children from."""
-        if self.variant == "eagle3":
-            from specjax.proposers.eagle3_net import draft_to_target, eagle3_logits
-
-            logits = eagle3_logits(params["net"], self.config, hidden)
-            ids = draft_to_target(params["net"], jnp.arange(logits.shape[-1]))
-        else:
-            logits = eagle_logits(hidden, params["lm_head"])
-            ids = params.get("draft_ids", jnp.arange(logits.shape[-1]))
+        logits = self.net.logits(params, self.config, hidden)
+        ids = self.net.target_ids(params, jnp.arange(logits.shape[-1]))
         return processed_logprobs(logits, sampling), ids.astype(jnp.int32)
 
     def make_pools(self, num_pages, page_size, dtype):

@@ -228,3 +228,50 @@ def feature_layers_of(meta: dict, num_target_layers: int) -> tuple[int, ...]:
         raise ValueError(f"EAGLE-3 head reads target layers {layers}, the target has "
                          f"{num_target_layers}")
     return layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Net:
+    """EAGLE-3's network as the EAGLE proposers draft through it (the members of `EagleNet`):
+    three target layers fused by its fc, its own reduced-vocabulary head. params: {"net",
+    "embed": the target's embedding}."""
+
+    feature_layers: tuple = (0, 1, 2)  # the target layers it fuses (low, mid, high)
+    splits_layers: bool = False  # its layer reads [embedding; feature]: kept whole on every device
+
+    def __post_init__(self):
+        if len(self.feature_layers) != 3:
+            raise ValueError("EAGLE-3 fuses three target layers: give feature_layers=(low, mid, high)")
+
+    def forward(self, params, config, tokens, features, positions, cache, mask, valid, slots=None):
+        return eagle3_forward(params["net"], config, params["embed"], tokens, features, positions,
+                              cache, mask, valid, slots=slots)
+
+    def fuse(self, params, features):
+        """The three layers' concatenated outputs through the fc."""
+        return eagle3_fuse(params["net"], features)
+
+    def logits(self, params, config, hidden):
+        return eagle3_logits(params["net"], config, hidden)
+
+    def target_ids(self, params, ids):
+        return draft_to_target(params["net"], ids)
+
+    def vocab_rows(self, params) -> int:
+        return params["net"]["lm_head"].shape[0]
+
+
+def load_eagle3(heads, target, draft_vocab: int | None = None):
+    """(Eagle3Net, draft config, params) of an EAGLE-3 head checkpoint for `target` (a loaded
+    model), weights in the target's dtype."""
+    from specjax.heads import check_compatible
+    from specjax.proposers.eagle_net import cast_floats, prepared_net
+
+    if draft_vocab is not None:
+        raise ValueError("`eagle_draft_vocab` is an EAGLE-1/2 option: EAGLE-3 heads have their "
+                         "own draft vocabulary")
+    config, net, meta = load_eagle3_heads(heads)
+    check_compatible(meta, target.config, heads)
+    net = prepared_net(cast_floats(net, target.params["embed"].dtype), ("layers", "fc", "lm_head"))
+    return (Eagle3Net(feature_layers_of(meta, target.config.num_layers)), config,
+            {"net": net, "embed": target.params["embed"]})

@@ -8,6 +8,9 @@ no input norm (SafeAILab/EAGLE). It keeps its own paged KV cache, like any specj
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from specjax.cache import PagedKVCache
@@ -71,3 +74,68 @@ def draft_vocabulary(lm_head, draft_ids, size: int | None):
             raise ValueError(f"draft vocabulary size must be in [1, {ids.shape[0]}], got {size}")
         ids = ids[:size]
     return take_rows(lm_head, ids), ids
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleNet:
+    """EAGLE-1/2's network as the EAGLE proposers draft through it (`Eagle3Net` has the same
+    members). params: {"net", "embed": the target's embedding, "lm_head": the target's head,
+    or its rows of frequent tokens with "draft_ids" their target ids}."""
+
+    feature_layers: tuple = ()  # the features are the target's final hidden states
+    splits_layers: bool = True  # its decoder layer splits over tensor-parallel devices
+
+    def forward(self, params, config, tokens, features, positions, cache, mask, valid, slots=None):
+        return eagle_forward(params["net"], config, params["embed"], tokens, features, positions,
+                             cache, mask, valid, slots=slots)
+
+    def fuse(self, params, features):
+        """The target's features as the network reads them (as they are)."""
+        return features
+
+    def logits(self, params, config, hidden):
+        """Logits over the draft's vocabulary, float32."""
+        return eagle_logits(hidden, params["lm_head"])
+
+    def target_ids(self, params, ids):
+        """The target token ids of draft-vocabulary indices."""
+        return params["draft_ids"][ids] if "draft_ids" in params else ids
+
+    def vocab_rows(self, params) -> int:
+        return params["lm_head"].shape[0]
+
+
+def cast_floats(tree, dtype):
+    """`tree` with its floating arrays in `dtype` (integer maps keep their type)."""
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def prepared_net(net: dict, own: tuple[str, ...]) -> dict:
+    """A loaded network's parameters as drafting runs them: the fc as `linear` takes it ([D, kD]
+    from the trained [kD, D] kernel), and the network's `own` products in the draft weights
+    type of the CPU kernel (`draft_weights`)."""
+    from specjax.cpu.draft_weights import draft_weights
+
+    net = {**net, "fc": {**{k: v for k, v in net["fc"].items() if k != "kernel"},
+                         "weight": net["fc"]["kernel"].T}}
+    return {**net, **draft_weights({k: v for k, v in net.items() if k in own})}
+
+
+def load_eagle(heads, target, draft_vocab: int | None = None):
+    """(EagleNet(), draft config, params) of an EAGLE head checkpoint for `target` (a loaded
+    model): weights in the target's dtype, drafting from the `draft_vocab` most frequent tokens
+    where given (or the order the heads store)."""
+    from specjax.cpu.draft_weights import draft_weights
+    from specjax.model import lm_head_weight
+
+    config, net = load_eagle_heads(heads, target.config)
+    dtype = target.params["embed"].dtype
+    ids = net.pop("draft_ids", None)
+    params = {"net": prepared_net(cast_floats(net, dtype), ("layers", "fc")),
+              "embed": target.params["embed"], "lm_head": lm_head_weight(target.params)}
+    if ids is not None or draft_vocab is not None:
+        ids = jnp.arange(target.config.vocab_size) if ids is None else ids
+        params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids, draft_vocab)
+    params["lm_head"] = draft_weights(params["lm_head"])
+    return EagleNet(), config, params
