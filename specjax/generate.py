@@ -266,9 +266,9 @@ class Engine:
 
     def generate_continuous(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
                             **options):
-        """Vanilla answers of many prompts with continuous batching, yielded as each finishes
-        (`FinishedSequence`); options: slots, refill, sampling, seeds, eos_token_ids.
-        See `specjax.continuous`."""
+        """Answers of many prompts with continuous batching on the serving scheduler, yielded
+        as each finishes (`FinishedSequence`); options: slots, refill, sampling, seeds,
+        eos_token_ids, proposer, proposer_params. See `specjax.continuous`."""
         from specjax.continuous import generate_continuous
 
         return generate_continuous(self, prompts, max_new_tokens, **options)

@@ -329,3 +329,24 @@ def test_eagle_requests_reuse_the_pages_of_a_shared_prefix(target, sampling):
     # pairs 0..29 are shared (tokens 0..30 agree): 3 full pages of 8; the repeat has pairs
     # 0..31, but its lookup stops one pair short of its last, so it reuses 3 pages too
     assert [h.cached_tokens for h in handles] == [0, 24, 24]
+
+
+@pytest.mark.parametrize("kind", ["pld", "eagle2"])
+def test_offline_continuous_batching_runs_every_method_on_the_scheduler(target, kind):
+    """`Engine.generate_continuous` is the scheduler run in the caller's thread: with a drafter
+    (stateless, or with state and pools), sampled, each prompt's answer and target passes are
+    those of `generate` on the prompt alone, and the pools come back."""
+    proposer, pparams = _proposer(kind, target)
+    prompts = _prompts(6, seed=3)
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    got = {r.index: r for r in engine.generate_continuous(
+        prompts, 9, slots=4, refill=2, sampling=SAMPLED, seeds=[50 + i for i in range(6)],
+        proposer=proposer, proposer_params=pparams)}
+    assert sorted(got) == list(range(6))
+    for i, p in enumerate(prompts):
+        alone = engine.generate([p], 9, sampling=SAMPLED, seeds=[50 + i], proposer=proposer,
+                                proposer_params=pparams)
+        assert got[i].token_ids == alone.token_ids[0]
+        assert got[i].steps == alone.steps[0] and got[i].finished_by_eos == alone.finished_by_eos[0]
+    assert any(r.steps < len(r.token_ids) for r in got.values())  # drafts were accepted
+    assert engine.allocator.num_free == engine.allocator.num_pages and engine.k_pages is not None

@@ -36,8 +36,7 @@ import numpy as np
 
 from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, bucket
-from specjax.cache import CacheFullError, PagedKVCache, block_table_array, token_pairs
-from specjax.continuous import _resize
+from specjax.cache import CacheFullError, PagedKVCache, block_table_array, pages_needed, token_pairs
 from specjax.generate import decode_step, prefill
 from specjax.sampling import SamplingConfig
 from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
@@ -118,16 +117,16 @@ class Handle:
 @functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "max_steps",
                                              "mesh"), donate_argnames=("state",))
 def advance(params, config, proposer, proposer_params, sampling, state, limits, eos_ids,
-            max_steps: int, mesh=None):
-    """Up to `max_steps` steps of every unfinished slot, stopping after a step in which a slot
-    finished. limits: int32[B], each slot's max_new_tokens. With a `mesh` the state stays
-    pinned to its shardings, as in the engine's loops."""
+            refill, max_steps: int, mesh=None):
+    """Up to `max_steps` steps of every unfinished slot, stopping after the step in which the
+    `refill`-th slot (int32) finished. limits: int32[B], each slot's max_new_tokens. With a
+    `mesh` the state stays pinned to its shardings, as in the engine's loops."""
     pin = pinning(mesh, state.tokens.shape[0])
     done_before = jnp.sum(state.done)
 
     def go_on(carry):
         i, st = carry
-        return (i < max_steps) & jnp.any(~st.done) & (jnp.sum(st.done) == done_before)
+        return (i < max_steps) & jnp.any(~st.done) & (jnp.sum(st.done) - done_before < refill)
 
     def step(carry):
         i, st = carry
@@ -150,12 +149,19 @@ class Scheduler:
 
     def __init__(self, engine, proposer=None, proposer_params=None, *, max_batch: int = 8,
                  max_queue: int = 256, sync_steps: int = 4, admit_group: int = 4,
-                 prefill_chunk: int | None = 256, eos_token_ids=None, budget: bool = True):
+                 prefill_chunk: int | None = 256, eos_token_ids=None, budget: bool = True,
+                 refill: int = 1, fill_slots: bool = False, fit_tables: bool = False):
         """budget: choose each round how many tree nodes a step verifies, from measured cost
         and yield (`serving.budget`); False verifies the proposer's whole trees.
-        prefill_chunk: the most prompt tokens a row prefills per round (None: whole prompts)."""
-        if max_batch < 1 or sync_steps < 1 or admit_group < 1:
-            raise ValueError("max_batch, sync_steps and admit_group must be >= 1")
+        prefill_chunk: the most prompt tokens a row prefills per round (None: whole prompts).
+        Offline batching (`specjax.continuous`) sets the last three: a round decodes until
+        `refill` slots finished; `fill_slots` prefills every free slot before decoding resumes
+        (a server admits one group per round, so running requests wait at most one prefill);
+        `fit_tables` cuts the block tables to what the running requests reach, shrinking too
+        (a server only grows them, so that it meets few shapes)."""
+        if max_batch < 1 or sync_steps < 1 or admit_group < 1 or refill < 1:
+            raise ValueError("max_batch, sync_steps, admit_group and refill must be >= 1")
+        self.refill, self.fill_slots, self.fit_tables = refill, fill_slots, fit_tables
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -269,10 +275,7 @@ class Scheduler:
                                 h.cancel()
                     if self._stopping and not self._queue and not self.busy():
                         break
-                state = self._drop_cancelled(state)
-                state = self._admit(state)
-                if self.decoding():
-                    state = self._advance(state)
+                state = self._round(state)
         except BaseException as e:  # a failed device call: every request learns why
             self.error = e
             with self._cv:
@@ -286,6 +289,45 @@ class Scheduler:
         finally:
             if state is not None and self.error is None:
                 self._give_back(state)
+
+    def drain(self):
+        """Run the loop in the calling thread until every submitted request has ended, yielding
+        each request's Handle as it ends (offline batching: `specjax.continuous`). Errors
+        propagate to the caller; closing the iterator early cancels the rest. The engine's
+        pools are handed back either way."""
+        with self._cv:
+            pending = list(self._queue)
+        state = self._empty_state()
+        try:
+            while self._queue or self.busy():
+                stuck = not self.busy() and len(self._queue)  # nothing runs to free pages
+                state = self._round(state)
+                if stuck and len(self._queue) == stuck:
+                    raise CacheFullError(f"out of pages: a waiting prompt of "
+                                         f"{len(self._queue[0].prompt)} tokens does not fit the "
+                                         f"pool's {self.engine.allocator.num_pages} pages")
+                ended = [h for h in pending if h.finished is not None]
+                if ended:
+                    pending = [h for h in pending if h.finished is None]
+                    yield from ended
+        finally:
+            with self._cv:
+                self._queue = []
+            if state.cache.k_pages[0].is_deleted():  # a failed call consumed the pools
+                for s in range(len(self.owner)):
+                    if self.owner[s] is not None:
+                        self._release(s)
+                self.engine._reset_pools()
+            else:
+                self._give_back(state)
+
+    def _round(self, state):
+        """One round: cancelled requests leave, queued ones are admitted, the batch decodes."""
+        state = self._drop_cancelled(state)
+        state = self._admit(state)
+        if self.decoding():
+            state = self._advance(state)
+        return state
 
     def _give_back(self, state) -> None:
         engine = self.engine
@@ -423,14 +465,26 @@ class Scheduler:
         self._take()
         if not self.busy():
             return state
+        state = self._sized_tables(state)
+        filling = self._filling()
+        if not filling:
+            return state
+        state = self._prefill(state, filling[:self.group])
+        while self.fill_slots and (self._take() or self._filling()):
+            state = self._prefill(self._sized_tables(state), self._filling()[:self.group])
+        return state
+
+    def _sized_tables(self, state):
+        """The state's block tables and token rows as wide as the running requests reach."""
         engine = self.engine
         reach = max(len(h.prompt) + h.max_new_tokens + self.scratch
                     for h in self.owner if h is not None)
-        self.pages_per_seq = max(self.pages_per_seq, -(-coarse(reach) // engine.page_size))
-        pps = self.pages_per_seq
-        state = _resize(state, pps, pps * engine.page_size + 1)
-        filling = self._filling()
-        return self._prefill(state, filling[:self.group]) if filling else state
+        if self.fit_tables:
+            pps = pages_needed(bucket(reach), engine.page_size)
+        else:
+            self.pages_per_seq = max(self.pages_per_seq, -(-coarse(reach) // engine.page_size))
+            pps = self.pages_per_seq
+        return resize_state(state, pps, pps * engine.page_size + 1)
 
     def _filling(self) -> list[int]:
         """Slots still prefilling their prompt, in the order their requests arrived."""
@@ -531,7 +585,7 @@ class Scheduler:
                 proposer = self._plain
         args = (self.engine.params, self.engine.config, proposer, params, self.sampling, state,
                 jnp.asarray(limits), jnp.asarray(self.eos, jnp.int32).reshape(-1),
-                self.sync_steps)
+                jnp.int32(self.refill), self.sync_steps)
         self._compile_twin(args)
         t0 = time.perf_counter()
         steps_before, lengths_before = np.asarray(state.steps), np.asarray(state.lengths)
@@ -576,6 +630,24 @@ class Scheduler:
         return self._free_slots_on_device(state, finished)
 
 
+def resize_state(state, pages_per_seq: int, width: int):
+    """The state with block tables of pages_per_seq columns and token rows of width entries
+    (cut or padded: the running sequences never reach past the new sizes)."""
+    c = state.cache
+    table, tokens = c.block_tables, state.tokens
+    sink = c.num_pages
+    if table.shape[1] != pages_per_seq:
+        if table.shape[1] > pages_per_seq:
+            table = table[:, :pages_per_seq]
+        else:
+            table = jnp.pad(table, ((0, 0), (0, pages_per_seq - table.shape[1])),
+                            constant_values=sink)
+    if tokens.shape[1] != width:
+        tokens = (tokens[:, :width] if tokens.shape[1] > width
+                  else jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1]))))
+    return state.replace(tokens=tokens, cache=c.replace(block_tables=table))
+
+
 def _packed(runs) -> jax.Array:
     """int32[len(runs), coarse(longest)]: token runs, zero-padded to a shape of few sizes."""
     out = np.zeros((len(runs), coarse(max(map(len, runs)))), np.int32)
@@ -585,7 +657,7 @@ def _packed(runs) -> jax.Array:
 
 
 def _twin_key(args):
-    _, _, _, _, sampling, state, _, eos, _ = args
+    _, _, _, _, sampling, state, _, eos, _, _ = args
     return (state.tokens.shape, state.cache.block_tables.shape, sampling, eos.shape)
 
 
