@@ -22,12 +22,13 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import specjax.accept as accept_mod  # noqa: E402
-from specjax import Engine, SamplingConfig, load_model  # noqa: E402
-from specjax.bench import read_bench_prompts  # noqa: E402
-from common import add_sampled_decoding_args  # noqa: E402
-from specjax.methods import make_proposer  # noqa: E402
-from specjax.prompts import encode_prompt  # noqa: E402
+from common import add_sampled_decoding_args
+
+import specjax.accept as accept_mod
+from specjax import Engine, SamplingConfig, load_model
+from specjax.bench import read_bench_prompts
+from specjax.methods import make_proposer
+from specjax.prompts import encode_prompt
 
 PROGRAMS = {"cpu": True, "gpu": False}  # the value on_cpu_path() returns while tracing
 
@@ -46,8 +47,7 @@ def main(argv=None):
     proposer, params = make_proposer(args.method, model, **options)
     engine = Engine(model.params, model.config, page_size=16, num_pages=200)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    prompts = read_bench_prompts(args.prompts, ["chat", "code", "math", "summarization"],
-                                 args.limit)
+    prompts = read_bench_prompts(args.prompts, ["chat", "code", "math", "summarization"], args.limit)
     seconds, steps = dict.fromkeys(PROGRAMS, 0.0), dict.fromkeys(PROGRAMS, 0)
     for n, prompt in enumerate(prompts):
         ids = encode_prompt(model.tokenizer, prompt["text"], False)
@@ -62,14 +62,15 @@ def main(argv=None):
             seconds[name] += out.seconds - out.prefill_seconds
             steps[name] += out.steps[0]
             tokens[name] = list(out.token_ids[0])
-            print(f"{n:3d} {prompt['category']:14s} {name} program: {out.steps[0]} steps, "
-                  f"{(out.seconds - out.prefill_seconds) / out.steps[0] * 1e3:.2f} ms per step",
-                  flush=True)
+            print(
+                f"{n:3d} {prompt['category']:14s} {name} program: {out.steps[0]} steps, "
+                f"{(out.seconds - out.prefill_seconds) / out.steps[0] * 1e3:.2f} ms per step",
+                flush=True,
+            )
         if tokens["cpu"] != tokens["gpu"]:
             sys.exit(f"prompt {n}: the two programs gave different tokens")
     for name in PROGRAMS:
-        print(f"{name} program: {seconds[name] / steps[name] * 1e3:.2f} ms per decode step "
-              f"over {steps[name]} steps")
+        print(f"{name} program: {seconds[name] / steps[name] * 1e3:.2f} ms per decode step over {steps[name]} steps")
 
 
 if __name__ == "__main__":

@@ -24,21 +24,19 @@ import jax
 import jax.numpy as jnp
 
 from specjax import load_model
-from specjax.bench import machine
 from specjax.attention import use_attention_backend
-from specjax.cpu.matmul import (pack_params, take_rows, unpack_params, unsupported_reason,
-                                use_cpu_matmul)
+from specjax.bench import machine
 from specjax.cache import PagedKVCache, init_pages, pages_needed
+from specjax.cpu.matmul import pack_params, take_rows, unpack_params, unsupported_reason, use_cpu_matmul
 from specjax.draft_tree import chain
-from specjax.model import _mlp_block, compute_logits, forward
+from specjax.model import compute_logits, forward, mlp_block
 from specjax.verify import verify_pruned
 
 
 def loop_ms(body, params, carry, iters: int, repeats: int = 3) -> float:
     """Milliseconds per iteration of carry = body(params, carry) in one jitted fori_loop, the
     best of `repeats` timings (a shared machine's other load only ever adds time)."""
-    f = jax.jit(lambda p, c, n: jax.lax.fori_loop(0, n, lambda i, c: body(p, c), c),
-                donate_argnums=(1,))
+    f = jax.jit(lambda p, c, n: jax.lax.fori_loop(0, n, lambda i, c: body(p, c), c), donate_argnums=(1,))
     carry = jax.block_until_ready(f(params, carry, 1))  # compile and warm up
     best = float("inf")
     for _ in range(repeats):
@@ -58,8 +56,7 @@ def cache_at(config, context: int, width: int, page_size: int = 16) -> PagedKVCa
     return PagedKVCache(k, v, table, jnp.array([context], jnp.int32))
 
 
-def measure(model, widths, context: int, iters: int, matmul: str = "auto",
-            attention: str = "auto") -> list[dict]:
+def measure(model, widths, context: int, iters: int, matmul: str = "auto", attention: str = "auto") -> list[dict]:
     """Rows of milliseconds per part and width, with the linear layers on `matmul` (a
     specjax.cpu.matmul setting: XLA's product or the few-row kernel) and attention on the
     `attention` backend (specjax.attention: the XLA reference or the CPU kernel)."""
@@ -72,6 +69,7 @@ def measure(model, widths, context: int, iters: int, matmul: str = "auto",
 def _measure(params, config, widths, context, iters):
     rows = []
     for w in widths:
+
         def tokens(acc):
             return jnp.zeros((1, w), jnp.int32) + acc.astype(jnp.int32) % 7
 
@@ -79,15 +77,23 @@ def _measure(params, config, widths, context, iters):
             cache, acc = c
             pos = cache.lengths[:, None] + jnp.arange(w)[None]
             mask = jnp.tril(jnp.ones((1, w, w), bool))
-            out = forward(p, config, tokens(acc), pos, cache, mask, defer_kv_write=True,
-                          logits_at=None if head else jnp.zeros((1, 0), jnp.int32))
+            out = forward(
+                p,
+                config,
+                tokens(acc),
+                pos,
+                cache,
+                mask,
+                defer_kv_write=True,
+                logits_at=None if head else jnp.zeros((1, 0), jnp.int32),
+            )
             return cache, acc + (out.logits[0, -1, 0] if head else out.hidden[0, -1, 0])
 
         def mlps(p, c):
             cache, acc = c
             x = take_rows(p["embed"], tokens(acc))
             for layer in p["layers"]:
-                x = _mlp_block(layer, config, x)
+                x = mlp_block(layer, config, x)
             return cache, acc + x[0, -1, 0]
 
         def head(p, c):
@@ -102,8 +108,13 @@ def _measure(params, config, widths, context, iters):
             return cache, acc + logits[0, -1, 0]
 
         parts = {}
-        for name, body in [("forward", whole), ("no_head", lambda p, c: whole(p, c, False)),
-                           ("mlps", mlps), ("lm_head", head), ("verify_pruned", pruned)]:
+        for name, body in [
+            ("forward", whole),
+            ("no_head", lambda p, c: whole(p, c, False)),
+            ("mlps", mlps),
+            ("lm_head", head),
+            ("verify_pruned", pruned),
+        ]:
             carry = (cache_at(config, context, w), jnp.float32(0))
             parts[name] = loop_ms(body, params, carry, iters)
         rows.append({"width": w, **{k: round(v, 2) for k, v in parts.items()}})
@@ -114,18 +125,23 @@ def _measure(params, config, widths, context, iters):
 
 
 def markdown(rows, context: int) -> str:
-    out = [f"Target forward over T new tokens after {context} committed ones (ms; "
-           "`cost_vs_width_1` = tokens per step needed to break even; matmul: the linear layers "
-           "on XLA's product or specjax.cpu.matmul's kernel; attention: the XLA reference or "
-           "specjax.cpu.attention's kernel)", "",
-           "| matmul | attention | T | forward | decoder without lm_head | MLPs only | "
-           "lm_head only | cost vs T=1 | `verify_pruned` |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"Target forward over T new tokens after {context} committed ones (ms; "
+        "`cost_vs_width_1` = tokens per step needed to break even; matmul: the linear layers "
+        "on XLA's product or specjax.cpu.matmul's kernel; attention: the XLA reference or "
+        "specjax.cpu.attention's kernel)",
+        "",
+        "| matmul | attention | T | forward | decoder without lm_head | MLPs only | "
+        "lm_head only | cost vs T=1 | `verify_pruned` |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r.get('matmul', 'auto')} | {r.get('attention', 'auto')} | {r['width']} "
-                   f"| {r['forward']} | {r['no_head']} "
-                   f"| {r['mlps']} | {r['lm_head']} | {r['cost_vs_width_1']}x | "
-                   f"{r['verify_pruned']} |")
+        out.append(
+            f"| {r.get('matmul', 'auto')} | {r.get('attention', 'auto')} | {r['width']} "
+            f"| {r['forward']} | {r['no_head']} "
+            f"| {r['mlps']} | {r['lm_head']} | {r['cost_vs_width_1']}x | "
+            f"{r['verify_pruned']} |"
+        )
     return "\n".join(out)
 
 
@@ -135,16 +151,19 @@ def main(argv=None):
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--arms", nargs="+", default=None,
-                    help="MATMUL/ATTENTION settings to time one after the other, e.g. "
-                         "kernel/cpu (default: xla/xla, then kernel/xla and kernel/cpu when "
-                         "this machine can build the kernels)")
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        help="MATMUL/ATTENTION settings to time one after the other, e.g. "
+        "kernel/cpu (default: xla/xla, then kernel/xla and kernel/cpu when "
+        "this machine can build the kernels)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "forward_cost"))
     args = ap.parse_args(argv)
     if args.widths[0] != 1:
         args.widths = [1] + [w for w in args.widths if w != 1]
-    arms = args.arms or ["xla/xla"] + (["kernel/xla", "kernel/cpu"]
-                                       if unsupported_reason() is None else [])
+    arms = args.arms or ["xla/xla"] + (["kernel/xla", "kernel/cpu"] if unsupported_reason() is None else [])
     model = load_model(args.model)
     rows = []
     for arm in arms:

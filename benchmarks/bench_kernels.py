@@ -22,10 +22,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 H100 = {"name": "H100 SXM5", "hbm_bytes_per_s": 3.35e12, "bf16_flops": 989e12}
 # HBM peak by `device_kind` substring (vendor datasheets), first match wins.
-PEAK_BANDWIDTH = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("GH200", 4.0e12),
-                  ("A100-SXM4-80GB", 2.039e12), ("A100 80GB", 1.935e12), ("A100", 1.555e12),
-                  ("L40S", 0.864e12), ("L40", 0.864e12), ("L4", 0.3e12), ("A10G", 0.6e12),
-                  ("A10", 0.6e12), ("RTX 4090", 1.008e12), ("RTX 3090", 0.936e12)]
+PEAK_BANDWIDTH = [
+    ("H200", 4.8e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("GH200", 4.0e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB", 1.935e12),
+    ("A100", 1.555e12),
+    ("L40S", 0.864e12),
+    ("L40", 0.864e12),
+    ("L4", 0.3e12),
+    ("A10G", 0.6e12),
+    ("A10", 0.6e12),
+    ("RTX 4090", 1.008e12),
+    ("RTX 3090", 0.936e12),
+]
 SHAPES = dict(h=32, kvh=8, d=128, page_size=16, dtype_bytes=2)
 
 
@@ -35,8 +47,7 @@ def traffic(b, t, context, *, h, kvh, d, page_size, dtype_bytes, k_splits=1, row
     kv = 2 * b * kvh * keys * d * dtype_bytes
     qo = 2 * b * t * h * d * dtype_bytes
     tables = b * (-(-keys // page_size)) * 4 + b * t * t
-    partials = 0 if k_splits == 1 else 2 * b * kvh * k_splits * (rows_padded or t * h // kvh) * (
-        d + 2) * 4
+    partials = 0 if k_splits == 1 else 2 * b * kvh * k_splits * (rows_padded or t * h // kvh) * (d + 2) * 4
     flops = 4 * b * h * t * keys * d  # q.k and p.v
     return kv + qo + tables + partials, flops
 
@@ -46,24 +57,27 @@ def roofline_table(dev=H100) -> str:
     from specjax.kernels_pallas.tree_paged_attention import default_blocks
 
     bw, peak = dev["hbm_bytes_per_s"], dev["bf16_flops"]
-    lines = ["| B | T | context | bytes moved (MB) | GFLOP | FLOP/byte | memory time (us) | "
-             "compute time (us) | expected (us) | bound | splits | programs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| B | T | context | bytes moved (MB) | GFLOP | FLOP/byte | memory time (us) | "
+        "compute time (us) | expected (us) | bound | splits | programs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for context in (2048, 8192):
         for b in (1, 8, 32):
             for t in (1, 8, 64):
                 g = SHAPES["h"] // SHAPES["kvh"]
-                block_q, _, splits, _ = default_blocks(b, t, SHAPES["h"], SHAPES["kvh"],
-                                                       SHAPES["page_size"], context + 64)
+                block_q, _, splits, _ = default_blocks(
+                    b, t, SHAPES["h"], SHAPES["kvh"], SHAPES["page_size"], context + 64
+                )
                 rows = -(-t * g // block_q) * block_q
-                nbytes, flops = traffic(b, t, context, k_splits=splits, rows_padded=rows,
-                                        **SHAPES)
+                nbytes, flops = traffic(b, t, context, k_splits=splits, rows_padded=rows, **SHAPES)
                 t_mem, t_cmp = nbytes / bw * 1e6, flops / peak * 1e6
                 lines.append(
                     f"| {b} | {t} | {context // 1024}k | {nbytes / 1e6:.1f} | {flops / 1e9:.2f} | "
                     f"{flops / nbytes:.0f} | {t_mem:.1f} | {t_cmp:.1f} | {max(t_mem, t_cmp):.1f} "
                     f"| {'memory' if t_mem >= t_cmp else 'compute'} | {splits} "
-                    f"| {b * SHAPES['kvh'] * rows // block_q * splits} |")
+                    f"| {b * SHAPES['kvh'] * rows // block_q * splits} |"
+                )
     return "\n".join(lines)
 
 
@@ -132,16 +146,18 @@ def main(argv=None):
     from specjax.kernels_pallas.tree_paged_attention_reference import tree_paged_attention_reference
 
     if not gpu_supports_kernel():
-        sys.exit(f"bench_kernels: needs a CUDA GPU of compute capability >= 8.0 (JAX's default "
-                 f"backend is {jax.default_backend()}); `--roofline` works anywhere")
+        sys.exit(
+            f"bench_kernels: needs a CUDA GPU of compute capability >= 8.0 (JAX's default "
+            f"backend is {jax.default_backend()}); `--roofline` works anywhere"
+        )
     dev = jax.devices()[0]
     peak = peak_bandwidth(dev.device_kind, args.peak_gbps)
-    print(f"# {dev.device_kind}, HBM peak "
-          f"{'unknown (pass --peak-gbps)' if peak is None else f'{peak / 1e9:.0f} GB/s'}")
+    print(f"# {dev.device_kind}, HBM peak {'unknown (pass --peak-gbps)' if peak is None else f'{peak / 1e9:.0f} GB/s'}")
     kernel = jax.jit(tree_paged_attention)
     reference = jax.jit(tree_paged_attention_reference)
-    print("| B | T | context | kernel (us) | GB/s | % of peak | TFLOP/s |"
-          + (" XLA (us) | speedup |" if args.xla else ""))
+    print(
+        "| B | T | context | kernel (us) | GB/s | % of peak | TFLOP/s |" + (" XLA (us) | speedup |" if args.xla else "")
+    )
     print("|---|---|---|---|---|---|---|" + ("---|---|" if args.xla else ""))
     results = []
     for context in args.context:
@@ -149,18 +165,24 @@ def main(argv=None):
             for t in args.tree:
                 inputs = make_inputs(b, t, context, **SHAPES)
                 g = SHAPES["h"] // SHAPES["kvh"]
-                block_q, _, splits, _ = default_blocks(b, t, SHAPES["h"], SHAPES["kvh"],
-                                                       SHAPES["page_size"],
-                                                       inputs[3].shape[1] * SHAPES["page_size"])
-                nbytes, flops = traffic(b, t, context, k_splits=splits,
-                                        rows_padded=-(-t * g // block_q) * block_q, **SHAPES)
+                block_q, _, splits, _ = default_blocks(
+                    b, t, SHAPES["h"], SHAPES["kvh"], SHAPES["page_size"], inputs[3].shape[1] * SHAPES["page_size"]
+                )
+                nbytes, flops = traffic(
+                    b, t, context, k_splits=splits, rows_padded=-(-t * g // block_q) * block_q, **SHAPES
+                )
                 sec = time_fn(kernel, inputs, args.iters)
-                row = {"batch": b, "tree": t, "context": context, "kernel_us": sec * 1e6,
-                       "gbps": nbytes / sec / 1e9, "tflops": flops / sec / 1e12,
-                       "peak_fraction": None if peak is None else nbytes / sec / peak}
+                row = {
+                    "batch": b,
+                    "tree": t,
+                    "context": context,
+                    "kernel_us": sec * 1e6,
+                    "gbps": nbytes / sec / 1e9,
+                    "tflops": flops / sec / 1e12,
+                    "peak_fraction": None if peak is None else nbytes / sec / peak,
+                }
                 frac = "-" if peak is None else f"{100 * row['peak_fraction']:.0f}%"
-                line = (f"| {b} | {t} | {context} | {sec * 1e6:.1f} | {row['gbps']:.0f} | "
-                        f"{frac} | {row['tflops']:.1f} |")
+                line = f"| {b} | {t} | {context} | {sec * 1e6:.1f} | {row['gbps']:.0f} | {frac} | {row['tflops']:.1f} |"
                 if args.xla:
                     try:
                         ref = time_fn(reference, inputs, max(1, args.iters // 4))
@@ -173,8 +195,9 @@ def main(argv=None):
                 results.append(row)
                 del inputs
     if args.json:
-        args.json.write_text(json.dumps({"device": dev.device_kind, "peak_bytes_per_s": peak,
-                                         "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps({"device": dev.device_kind, "peak_bytes_per_s": peak, "results": results}, indent=1)
+        )
     return 0
 
 

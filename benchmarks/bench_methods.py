@@ -20,10 +20,23 @@ GRAFT = f"lookup_tokens=5:{PLD}"
 CAPPED = f"eagle_total_tokens=8:eagle_depth=3:eagle_top_k=2:lookup_tokens=6:{PLD}:lookup_width=9"
 
 METHODS = [
-    "vanilla", f"pld:{PLD}", "lookahead:lookahead=[1,2,3]", "draft:draft_layers=8:max_draft_len=3",
-    "medusa", "eagle", "eagle2", "eagle3", "redrafter", f"eagle2:{TREE6}",
-    f"medusa:{GRAFT}", f"eagle:{GRAFT}", f"eagle2:{GRAFT}", f"eagle3:{GRAFT}",
-    f"redrafter:{GRAFT}", f"eagle2:{TREE6}:{GRAFT}", f"eagle2:{CAPPED}",
+    "vanilla",
+    f"pld:{PLD}",
+    "lookahead:lookahead=[1,2,3]",
+    "draft:draft_layers=8:max_draft_len=3",
+    "medusa",
+    "eagle",
+    "eagle2",
+    "eagle3",
+    "redrafter",
+    f"eagle2:{TREE6}",
+    f"medusa:{GRAFT}",
+    f"eagle:{GRAFT}",
+    f"eagle2:{GRAFT}",
+    f"eagle3:{GRAFT}",
+    f"redrafter:{GRAFT}",
+    f"eagle2:{TREE6}:{GRAFT}",
+    f"eagle2:{CAPPED}",
 ]
 
 

@@ -46,19 +46,26 @@ def run_level(url, prompts, concurrency, max_tokens):
             t0 = time.perf_counter()
             stamps, pieces, usage = [], [], None
             for chunk in client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": text}], temperature=0,
-                    max_tokens=max_tokens, stream=True):
+                model="m",
+                messages=[{"role": "user", "content": text}],
+                temperature=0,
+                max_tokens=max_tokens,
+                stream=True,
+            ):
                 if chunk.choices and chunk.choices[0].delta.content:
                     stamps.append(time.perf_counter())
                     pieces.append(chunk.choices[0].delta.content)
                 if chunk.usage is not None:
                     usage = chunk.usage
             n = usage.completion_tokens
-            records[i] = {"text": "".join(pieces), "tokens": n, "steps": usage.model_extra["steps"],
-                          "ttft": stamps[0] - t0 if stamps else None,
-                          "itl": (stamps[-1] - stamps[0]) / (n - 1) if len(stamps) > 1 and n > 1
-                          else None,
-                          "stall": max((b - a for a, b in zip(stamps, stamps[1:])), default=None)}
+            records[i] = {
+                "text": "".join(pieces),
+                "tokens": n,
+                "steps": usage.model_extra["steps"],
+                "ttft": stamps[0] - t0 if stamps else None,
+                "itl": (stamps[-1] - stamps[0]) / (n - 1) if len(stamps) > 1 and n > 1 else None,
+                "stall": max((b - a for a, b in zip(stamps, stamps[1:])), default=None),
+            }
 
     t = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -74,30 +81,35 @@ def summarize(records, wall):
     ttft = [r["ttft"] for r in records if r["ttft"] is not None]
     itl = [r["itl"] for r in records if r["itl"] is not None]
     tokens = sum(r["tokens"] for r in records)
-    return {"requests": len(records), "output_tokens": tokens, "seconds": round(wall, 2),
-            "output_tokens_per_s": round(tokens / wall, 2),
-            "ttft_ms_mean": round(1000 * statistics.mean(ttft), 1),
-            "ttft_ms_p50": round(1000 * statistics.median(ttft), 1),
-            "itl_ms_mean": round(1000 * statistics.mean(itl), 2),
-            "stall_ms_max": round(1000 * max(r["stall"] or 0 for r in records), 1),
-            "tokens_per_step": round(tokens / sum(r["steps"] for r in records), 3)}
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "seconds": round(wall, 2),
+        "output_tokens_per_s": round(tokens / wall, 2),
+        "ttft_ms_mean": round(1000 * statistics.mean(ttft), 1),
+        "ttft_ms_p50": round(1000 * statistics.median(ttft), 1),
+        "itl_ms_mean": round(1000 * statistics.mean(itl), 2),
+        "stall_ms_max": round(1000 * max(r["stall"] or 0 for r in records), 1),
+        "tokens_per_step": round(tokens / sum(r["steps"] for r in records), 3),
+    }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
-    ap.add_argument("--methods", default="vanilla,pld,eagle2,eagle2@fixed",
-                    help="comma-separated METHOD[:key=value...] (make_proposer options); "
-                         "@fixed: verify whole trees (specjax serve --fixed-speculation); "
-                         "@whole: prefill whole prompts (--prefill-chunk 0)")
+    ap.add_argument(
+        "--methods",
+        default="vanilla,pld,eagle2,eagle2@fixed",
+        help="comma-separated METHOD[:key=value...] (make_proposer options); "
+        "@fixed: verify whole trees (specjax serve --fixed-speculation); "
+        "@whole: prefill whole prompts (--prefill-chunk 0)",
+    )
     ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the "
-                                                             "level's concurrency)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the level's concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--prefill-chunk", type=int, default=256,
-                    help="prompt tokens per row per round (0: whole prompts)")
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per row per round (0: whole prompts)")
     ap.add_argument("--out", default="benchmarks/results/serve")
     args = ap.parse_args()
 
@@ -122,9 +134,14 @@ def main():
         spec = MethodSpec.parse(name)
         proposer, pparams = make_proposer(spec.method, model, **dict(spec.options))
         engine = Engine(model.params, model.config, num_pages=pages, page_size=16)
-        sched = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
-                          prefill_chunk=None if "whole" in suffixes else args.prefill_chunk or None,
-                          budget="fixed" not in suffixes)
+        sched = Scheduler(
+            engine,
+            proposer,
+            pparams,
+            max_batch=args.max_batch,
+            prefill_chunk=None if "whole" in suffixes else args.prefill_chunk or None,
+            budget="fixed" not in suffixes,
+        )
         with running_in_thread(create_app(sched, model.tokenizer, "m")) as url:
             for c in tqdm(levels, desc=text, leave=False):
                 run_level(url, prompts, c, args.max_tokens)  # compiles what the level meets
@@ -133,8 +150,12 @@ def main():
                 texts = [r["text"] for r in records]
                 if reference is None:
                     reference = texts
-                row = {"method": text, "concurrency": c, **summarize(records, wall),
-                       "same_as_first_method": sum(a == b for a, b in zip(texts, reference))}
+                row = {
+                    "method": text,
+                    "concurrency": c,
+                    **summarize(records, wall),
+                    "same_as_first_method": sum(a == b for a, b in zip(texts, reference)),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["method"] == rows[0]["method"]}
@@ -142,18 +163,28 @@ def main():
         r["throughput_vs_first"] = round(r["output_tokens_per_s"] / base[r["concurrency"]], 3)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": machine(), "model": args.model, "requests_per_level": n,
-            "max_tokens": args.max_tokens, "max_batch": args.max_batch,
-            "prefill_chunk": args.prefill_chunk,
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "machine": machine(),
+        "model": args.model,
+        "requests_per_level": n,
+        "max_tokens": args.max_tokens,
+        "max_batch": args.max_batch,
+        "prefill_chunk": args.prefill_chunk,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    head = ("| method | concurrency | output tok/s | vs first | TTFT mean / p50 ms | ITL ms | "
-            "longest stall ms | tokens per step | same text |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
-    body = "".join(f"| {r['method']} | {r['concurrency']} | {r['output_tokens_per_s']} | "
-                   f"{r['throughput_vs_first']:.2f}x | {r['ttft_ms_mean']} / {r['ttft_ms_p50']} | "
-                   f"{r['itl_ms_mean']} | {r['stall_ms_max']} | {r['tokens_per_step']} | "
-                   f"{r['same_as_first_method']}/{r['requests']} |\n" for r in rows)
+    head = (
+        "| method | concurrency | output tok/s | vs first | TTFT mean / p50 ms | ITL ms | "
+        "longest stall ms | tokens per step | same text |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {r['method']} | {r['concurrency']} | {r['output_tokens_per_s']} | "
+        f"{r['throughput_vs_first']:.2f}x | {r['ttft_ms_mean']} / {r['ttft_ms_p50']} | "
+        f"{r['itl_ms_mean']} | {r['stall_ms_max']} | {r['tokens_per_step']} | "
+        f"{r['same_as_first_method']}/{r['requests']} |\n"
+        for r in rows
+    )
     out.with_suffix(".md").write_text(f"{meta}\n\n{head}{body}")
     plot(rows, out.with_suffix(".png"), meta)
     print(head + body)

@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from common import machine, read_prompts
+from tqdm import tqdm
 
 
 def copy_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -67,10 +66,16 @@ def main():
         ours_tok += len(out.token_ids[0])
         with torch.no_grad():
             t = time.perf_counter()
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             hf_s += time.perf_counter() - t
-        ref_ids = ref[0, len(prompt):].tolist()
+        ref_ids = ref[0, len(prompt) :].tolist()
         hf_tok += len(ref_ids)
         matches += ref_ids == out.token_ids[0]
 
@@ -82,15 +87,21 @@ def main():
     ours_decode = ours_tok / ours_decode_s
     result = {
         "machine": machine(),
-        "model": args.model, "prompts": len(prompts), "max_new_tokens": n, "batch": 1,
-        "specjax_tokens_per_s": round(ours, 2), "transformers_tokens_per_s": round(theirs, 2),
+        "model": args.model,
+        "prompts": len(prompts),
+        "max_new_tokens": n,
+        "batch": 1,
+        "specjax_tokens_per_s": round(ours, 2),
+        "transformers_tokens_per_s": round(theirs, 2),
         "speedup_vs_transformers": round(ours / theirs, 3),
-        "weight_bytes": weight_bytes, "copy_bandwidth_GBps": round(bw / 1e9, 2),
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_GBps": round(bw / 1e9, 2),
         "specjax_decode_tokens_per_s": round(ours_decode, 2),
         "roofline_tokens_per_s": round(roofline, 2),
         "decode_fraction_of_roofline": round(ours_decode / roofline, 3),
         "greedy_identical_prompts": f"{matches}/{len(prompts)}",
-        "jax": jax.__version__, "torch": torch.__version__,
+        "jax": jax.__version__,
+        "torch": torch.__version__,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

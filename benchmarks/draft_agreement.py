@@ -33,10 +33,9 @@ from specjax.loading import load_model
 from specjax.model import lm_head_weight
 from specjax.proposers.eagle_net import load_eagle_heads
 from specjax.training import losses
-from specjax.training.data import (DistillConfig, distill, read_prompt_file, sequences_of,
-                           spread_over_categories)
+from specjax.training.data import DistillConfig, distill, read_prompt_file, sequences_of, spread_over_categories
 from specjax.training.features import length_bucket, padded_sequences, teacher_forward
-from specjax.training.methods import EagleMethod
+from specjax.training.trainers import EagleMethod
 
 
 @jax.jit
@@ -51,8 +50,7 @@ def step_sums(target_logits, draft_logits, draft_ids, temperature, draft_scale):
     return jnp.stack([jnp.sum(agree), jnp.sum(p), jnp.sum(jnp.minimum(p, q))])
 
 
-def measure(model, draft, draft_ids, rows, steps: int, temperature: float,
-            draft_scale: float = 1.0) -> list[dict]:
+def measure(model, draft, draft_ids, rows, steps: int, temperature: float, draft_scale: float = 1.0) -> list[dict]:
     """Per drafted step: mean agreement, target mass on the draft vocabulary, 1 - TV."""
     head = lm_head_weight(model.params).astype(jnp.float32)
     draft_head = head[draft_ids]
@@ -60,7 +58,7 @@ def measure(model, draft, draft_ids, rows, steps: int, temperature: float,
     sums, count = np.zeros((steps, 3)), np.zeros(steps)
     seqs = sequences_of(rows, 512)
     for s in range(0, len(seqs), 8):
-        chunk = seqs[s:s + 8]
+        chunk = seqs[s : s + 8]
         batch = padded_sequences(chunk, length_bucket(max(len(t) for t, _ in chunk)))
         tok, mask, valid = (jnp.asarray(batch[k]) for k in ("tokens", "mask", "valid"))
         final = teacher_forward(model.params, model.config, tok, valid)["final"]
@@ -69,12 +67,20 @@ def measure(model, draft, draft_ids, rows, steps: int, temperature: float,
         for i, pred in enumerate(preds):
             keep = np.nonzero(np.asarray(losses.shift_left(pairs, i) & valid))
             target = losses.shift_left(final, 1 + i)[keep]  # the feature whose token step i drafts
-            sums[i] += np.asarray(step_sums(target @ head.T, pred[keep] @ draft_head.T,
-                                            draft_ids, temperature, draft_scale))
+            sums[i] += np.asarray(
+                step_sums(target @ head.T, pred[keep] @ draft_head.T, draft_ids, temperature, draft_scale)
+            )
             count[i] += len(keep[0])
-    return [{"step": i + 1, "positions": int(count[i]), "agreement": sums[i, 0] / count[i],
-             "mass_in_draft_vocab": sums[i, 1] / count[i], "one_minus_tv": sums[i, 2] / count[i]}
-            for i in range(steps)]
+    return [
+        {
+            "step": i + 1,
+            "positions": int(count[i]),
+            "agreement": sums[i, 0] / count[i],
+            "mass_in_draft_vocab": sums[i, 1] / count[i],
+            "one_minus_tv": sums[i, 2] / count[i],
+        }
+        for i in range(steps)
+    ]
 
 
 def main(argv=None) -> dict:
@@ -86,8 +92,12 @@ def main(argv=None) -> dict:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--draft-vocab", type=int, default=4096, help="rows of draft_ids scored")
     p.add_argument("--draft-steps", type=int, default=3)
-    p.add_argument("--draft-scale", type=float, default=1.0,
-                   help="q's temperature relative to p's (a calibration that is still lossless)")
+    p.add_argument(
+        "--draft-scale",
+        type=float,
+        default=1.0,
+        help="q's temperature relative to p's (a calibration that is still lossless)",
+    )
     p.add_argument("--work", default="runs/draft_agreement", help="cache of the answers")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -96,21 +106,30 @@ def main(argv=None) -> dict:
     records = read_prompt_file(args.prompts)
     indices = spread_over_categories(records, args.n)
     _, draft = load_eagle_heads(args.heads, model.config)
-    draft_ids = draft.pop("draft_ids")[:args.draft_vocab]
+    draft_ids = draft.pop("draft_ids")[: args.draft_vocab]
     draft = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), draft)
-    result = {"heads": args.heads, "prompts": args.prompts, "n": len(indices),
-              "draft_vocab": int(draft_ids.shape[0]),
-              "draft_scale": args.draft_scale, "machine": machine(), "answers": {}}
+    result = {
+        "heads": args.heads,
+        "prompts": args.prompts,
+        "n": len(indices),
+        "draft_vocab": int(draft_ids.shape[0]),
+        "draft_scale": args.draft_scale,
+        "machine": machine(),
+        "answers": {},
+    }
     for temp in args.temperatures:
         folder = Path(args.work) / f"answers_t{temp:g}"
         rows = distill(model, records, indices, folder, DistillConfig(temperature=temp))
-        result["answers"][f"{temp:g}"] = measure(model, draft, draft_ids, rows, args.draft_steps,
-                                                 temp, args.draft_scale)
+        result["answers"][f"{temp:g}"] = measure(
+            model, draft, draft_ids, rows, args.draft_steps, temp, args.draft_scale
+        )
         for r in result["answers"][f"{temp:g}"]:
-            print(f"answers at T={temp:g}, drafted token {r['step']}: agreement "
-                  f"{r['agreement']:.3f}, 1 - TV {r['one_minus_tv']:.3f}, target mass on the "
-                  f"draft vocabulary {r['mass_in_draft_vocab']:.3f} ({r['positions']} positions)",
-                  flush=True)
+            print(
+                f"answers at T={temp:g}, drafted token {r['step']}: agreement "
+                f"{r['agreement']:.3f}, 1 - TV {r['one_minus_tv']:.3f}, target mass on the "
+                f"draft vocabulary {r['mass_in_draft_vocab']:.3f} ({r['positions']} positions)",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -38,29 +38,54 @@ from pathlib import Path
 # peer (transformers on the same GPU): allocate as needed instead.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from specjax.kernels_pallas import tree_paged_attention, tree_paged_attention_reference  # noqa: E402
-from specjax.kernels_pallas.random_cases import TOL, make_case, rel_err  # noqa: E402
-from specjax.attention import gpu_supports_kernel, use_attention_backend  # noqa: E402
-from specjax.cache import PagedKVCache, init_pages  # noqa: E402
-from specjax.config import ModelConfig  # noqa: E402
-from specjax.draft_tree import chain  # noqa: E402
-from specjax.generate import Engine  # noqa: E402
-from specjax.spec_decode import StatelessProposer  # noqa: E402
-from specjax.loading import Model  # noqa: E402
-from specjax.model import causal_mask, forward, init_params  # noqa: E402
+from specjax.attention import gpu_supports_kernel, use_attention_backend
+from specjax.cache import PagedKVCache, init_pages
+from specjax.draft_tree import chain
+from specjax.generate import Engine
+from specjax.kernels_pallas import tree_paged_attention, tree_paged_attention_reference
+from specjax.kernels_pallas.random_cases import TOL, make_case, rel_err
+from specjax.loading import Model
+from specjax.model import causal_mask, forward, init_params
+from specjax.model_config import ModelConfig
+from specjax.spec_decode import StatelessProposer
 
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                        rope_theta=500000.0, max_position_embeddings=8192)
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
 # The same head layout at a size interpret mode and a CPU run in seconds (--smoke).
-SMOKE_8B = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=2048)
-TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
+SMOKE_8B = ModelConfig(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
+TINY = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
 METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3", "redrafter", "lookahead")
 HEAD_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "redrafter")
 ORACLE_ACCEPTED = (2, 3, 4, 6)
@@ -158,6 +183,7 @@ def device_seconds(step, carry, reps: int) -> float:
 def attention_seconds(fn, args, reps: int) -> float:
     """Seconds per attention call `fn(q, *rest)` on the device (`device_seconds`); q feeds on
     the last output times a zero the compiler cannot see, a few kilobytes of extra work."""
+
     def step(carry):  # every array rides in the carry: one a closure captured would be a constant
         q, zero, rest = carry
         return q + zero * fn(q, *rest).astype(q.dtype), zero, rest
@@ -173,10 +199,15 @@ def environment(entry: dict, smoke: bool) -> float:
     import jaxlib
 
     dev = jax.devices()[0]
-    entry.update(python=platform.python_version(), jax=jax.__version__, jaxlib=jaxlib.__version__,
-                 backend=jax.default_backend(), devices=jax.device_count(),
-                 device=getattr(dev, "device_kind", str(dev)),
-                 compute_capability=getattr(dev, "compute_capability", None))
+    entry.update(
+        python=platform.python_version(),
+        jax=jax.__version__,
+        jaxlib=jaxlib.__version__,
+        backend=jax.default_backend(),
+        devices=jax.device_count(),
+        device=getattr(dev, "device_kind", str(dev)),
+        compute_capability=getattr(dev, "compute_capability", None),
+    )
     with contextlib.suppress(Exception):
         entry["memory_gib"] = round(dev.memory_stats()["bytes_limit"] / 2**30, 1)
     n = (16 if smoke else 4096) * 2**20 // 4
@@ -198,8 +229,9 @@ def environment(entry: dict, smoke: bool) -> float:
 # --------------------------------------------------------------------------- correctness
 
 
-def kernel_correctness(entry: dict, interpret: bool, smoke: bool,
-                       dtypes=(jnp.float32, jnp.bfloat16, jnp.float16)) -> None:
+def kernel_correctness(
+    entry: dict, interpret: bool, smoke: bool, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16)
+) -> None:
     """The kernel against the XLA reference over the suite's random cases (NaN in every slot no
     query reads, random trees, ragged lengths), each dtype, GQA ratio, page size and tree size."""
     grid = [(dt, t, g) for dt in dtypes for t in (1, 5, 26, 64) for g in (1, 4, 8)]
@@ -217,10 +249,24 @@ def kernel_correctness(entry: dict, interpret: bool, smoke: bool,
             name = jnp.dtype(dt).name
             worst[name] = max(worst.get(name, 0.0), err)
             if not err <= TOL[dt]:
-                rows.append({"dtype": name, "T": t, "G": g, "page_size": ps, "window": window,
-                             "rel_err": f"{err:.2e}", "tolerance": TOL[dt]})
-    entry.update(cases=sum(2 if t == 5 else 1 for _, t, _ in grid), failures=len(rows),
-                 worst_rel_err={k: f"{v:.1e}" for k, v in worst.items()}, ok=not rows, rows=rows)
+                rows.append(
+                    {
+                        "dtype": name,
+                        "T": t,
+                        "G": g,
+                        "page_size": ps,
+                        "window": window,
+                        "rel_err": f"{err:.2e}",
+                        "tolerance": TOL[dt],
+                    }
+                )
+    entry.update(
+        cases=sum(2 if t == 5 else 1 for _, t, _ in grid),
+        failures=len(rows),
+        worst_rel_err={k: f"{v:.1e}" for k, v in worst.items()},
+        ok=not rows,
+        rows=rows,
+    )
 
 
 def tiny_target(key: int = 1, dtype=jnp.float32):
@@ -240,7 +286,9 @@ def method_proposer(method: str, target: Model):
         heads = target.path / kind
         if not heads.exists():
             random_head_checkpoint(kind, target, heads)
-        options = {"eagle_total_tokens": 10, "eagle_depth": 3, "eagle_top_k": 3} if method in ("eagle2", "eagle3") else {}
+        options = (
+            {"eagle_total_tokens": 10, "eagle_depth": 3, "eagle_top_k": 3} if method in ("eagle2", "eagle3") else {}
+        )
         return make_proposer(method, target, heads=str(heads), **options)
     if method == "draft":
         return make_proposer("draft", target, draft_layers=1, max_draft_len=3)
@@ -251,8 +299,7 @@ def method_proposer(method: str, target: Model):
     return make_proposer(method, target)
 
 
-PROMPTS = [[3, 9, 27, 17, 51, 25, 11, 33, 35, 41, 7, 7, 2, 60, 31, 18, 19, 40, 3, 9, 27], [5, 5, 5, 6, 5, 5],
-           [1, 2]]
+PROMPTS = [[3, 9, 27, 17, 51, 25, 11, 33, 35, 41, 7, 7, 2, 60, 31, 18, 19, 40, 3, 9, 27], [5, 5, 5, 6, 5, 5], [1, 2]]
 
 
 def method_correctness(entry: dict, kernel_backend: str, methods, kernel_methods, new_tokens: int) -> None:
@@ -265,14 +312,19 @@ def method_correctness(entry: dict, kernel_backend: str, methods, kernel_methods
             engine = Engine(target.params, TINY, num_pages=96, page_size=16)
             for method in methods if backend == "xla" else kernel_methods:
                 proposer, pparams = method_proposer(method, target)
-                out = engine.generate(PROMPTS, new_tokens, eos_token_ids=(), proposer=proposer,
-                                      proposer_params=pparams)
+                out = engine.generate(PROMPTS, new_tokens, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
                 if want is None:
                     want = out.token_ids
                 same = out.token_ids == want
                 ok &= same
-                rows.append({"backend": backend, "method": method, "identical_to_vanilla": same,
-                             "tokens_per_step": round(sum(map(len, out.token_ids)) / max(1, sum(out.steps)), 2)})
+                rows.append(
+                    {
+                        "backend": backend,
+                        "method": method,
+                        "identical_to_vanilla": same,
+                        "tokens_per_step": round(sum(map(len, out.token_ids)) / max(1, sum(out.steps)), 2),
+                    }
+                )
     entry.update(ok=ok, rows=rows)
 
 
@@ -300,14 +352,21 @@ def sampling_check(entry: dict, samples: int, kernel_backend: str) -> None:
     with use_attention_backend(kernel_backend):
         engine = Engine(target.params, TINY, num_pages=samples * 4 + 16, page_size=16)
         proposer, pparams = method_proposer("eagle2", target)
-        out = engine.generate([prompt] * samples, 2, sampling=SamplingConfig(temperature=1.0),
-                              seeds=list(range(samples)), eos_token_ids=(), proposer=proposer,
-                              proposer_params=pparams)
+        out = engine.generate(
+            [prompt] * samples,
+            2,
+            sampling=SamplingConfig(temperature=1.0),
+            seeds=list(range(samples)),
+            eos_token_ids=(),
+            proposer=proposer,
+            proposer_params=pparams,
+        )
         k, v = init_pages(TINY, 4, 32, jnp.float32)
         cache = PagedKVCache(k, v, jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
         n = len(prompt)
-        logits = forward(target.params, TINY, jnp.asarray([prompt]), jnp.arange(n)[None], cache,
-                         causal_mask(1, n)).logits[0, -1]
+        logits = forward(
+            target.params, TINY, jnp.asarray([prompt]), jnp.arange(n)[None], cache, causal_mask(1, n)
+        ).logits[0, -1]
     probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32)), np.float64)
     first = np.bincount([ids[0] for ids in out.token_ids], minlength=TINY.vocab_size)
     stat, dof, p = chi_square_p(first.astype(np.float64), probs * samples)
@@ -327,8 +386,9 @@ def chained_params(cfg: ModelConfig, key, dtype=jnp.bfloat16) -> dict:
     The time of every step is the same as with any other weights of the shape."""
     params = init_params(cfg, key, dtype)
     perm = jax.random.permutation(jax.random.fold_in(key, 1), cfg.vocab_size)
-    params["layers"] = [{**layer, "wo": layer["wo"] * 1e-3, "w_down": layer["w_down"] * 1e-3}
-                        for layer in params["layers"]]
+    params["layers"] = [
+        {**layer, "wo": layer["wo"] * 1e-3, "w_down": layer["w_down"] * 1e-3} for layer in params["layers"]
+    ]
     params["lm_head"] = params["embed"][jnp.argsort(perm)]
     return params
 
@@ -349,18 +409,25 @@ def decode_speed(entry: dict, params, cfg: ModelConfig, bandwidth: float, smoke:
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     for b in (1, 8):
         engine.generate(random_tokens(rng, b, ctx, cfg.vocab_size), new, eos_token_ids=(), warmup=True)
-        runs = [engine.generate(random_tokens(rng, b, ctx, cfg.vocab_size), new, eos_token_ids=())
-                for _ in range(2)]
+        runs = [engine.generate(random_tokens(rng, b, ctx, cfg.vocab_size), new, eos_token_ids=()) for _ in range(2)]
         out = min(runs, key=lambda o: o.seconds - o.prefill_seconds)
         seconds = out.seconds - out.prefill_seconds
         prefill = min(o.prefill_seconds for o in runs)
         tps = b * new / seconds
         step_bytes = weight_bytes + b * (ctx + new / 2) * kv_bytes_per_token
         roofline = b * bandwidth / step_bytes
-        rows.append({"batch": b, "context": ctx, "new_tokens": new, "tokens_per_s": round(tps, 1),
-                     "ms_per_step": round(1e3 * seconds / new, 2), "roofline_tokens_per_s": round(roofline, 1),
-                     "fraction_of_roofline": round(tps / roofline, 3),
-                     "prefill_tokens_per_s": round(b * ctx / prefill)})
+        rows.append(
+            {
+                "batch": b,
+                "context": ctx,
+                "new_tokens": new,
+                "tokens_per_s": round(tps, 1),
+                "ms_per_step": round(1e3 * seconds / new, 2),
+                "roofline_tokens_per_s": round(roofline, 1),
+                "fraction_of_roofline": round(tps / roofline, 3),
+                "prefill_tokens_per_s": round(b * ctx / prefill),
+            }
+        )
     entry["rows"] = rows
 
 
@@ -431,12 +498,20 @@ def oracle_speedups(entry: dict, params, cfg: ModelConfig, smoke: bool) -> None:
         engine.generate(prompt, new, eos_token_ids=(), proposer=proposer, proposer_params=pparams, warmup=True)
         out = engine.generate(prompt, new, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
         seconds = out.seconds - out.prefill_seconds
-        rows.append({"accepted_per_step": accepted, "measured_tokens_per_step": round(new / out.steps[0], 2),
-                     "tokens_per_s": round(new / seconds, 1), "speedup": round(seconds_vanilla / seconds, 2),
-                     "same_tokens_as_vanilla": out.token_ids == vanilla_out.token_ids})
-    entry.update(vanilla_tokens_per_s=round(new / seconds_vanilla, 1), rows=rows,
-                 ok=all(r["same_tokens_as_vanilla"] and r["measured_tokens_per_step"] == r["accepted_per_step"]
-                        for r in rows))
+        rows.append(
+            {
+                "accepted_per_step": accepted,
+                "measured_tokens_per_step": round(new / out.steps[0], 2),
+                "tokens_per_s": round(new / seconds, 1),
+                "speedup": round(seconds_vanilla / seconds, 2),
+                "same_tokens_as_vanilla": out.token_ids == vanilla_out.token_ids,
+            }
+        )
+    entry.update(
+        vanilla_tokens_per_s=round(new / seconds_vanilla, 1),
+        rows=rows,
+        ok=all(r["same_tokens_as_vanilla"] and r["measured_tokens_per_step"] == r["accepted_per_step"] for r in rows),
+    )
 
 
 def attention_bandwidth(entry: dict, bandwidth: float, smoke: bool, interpret: bool) -> None:
@@ -454,10 +529,18 @@ def attention_bandwidth(entry: dict, bandwidth: float, smoke: bool, interpret: b
                 kernel = functools.partial(tree_paged_attention, interpret=interpret)
                 tk = attention_seconds(kernel, args, reps)
                 tr = attention_seconds(tree_paged_attention_reference, args, reps)
-                rows.append({"context": context, "B": b, "T": t, "kernel_us": round(1e6 * tk, 1),
-                             "reference_us": round(1e6 * tr, 1), "kernel_vs_reference": round(tr / tk, 2),
-                             "kernel_gb_s": round(kv_bytes / tk / 1e9, 1),
-                             "fraction_of_bandwidth": round(kv_bytes / tk / bandwidth, 3)})
+                rows.append(
+                    {
+                        "context": context,
+                        "B": b,
+                        "T": t,
+                        "kernel_us": round(1e6 * tk, 1),
+                        "reference_us": round(1e6 * tr, 1),
+                        "kernel_vs_reference": round(tr / tk, 2),
+                        "kernel_gb_s": round(kv_bytes / tk / 1e9, 1),
+                        "fraction_of_bandwidth": round(kv_bytes / tk / bandwidth, 3),
+                    }
+                )
     entry["rows"] = rows
 
 
@@ -526,8 +609,7 @@ def peer_transformers(entry: dict, params, cfg: ModelConfig, ours_tps: float, sm
     ids = torch.tensor(random_tokens(np.random.default_rng(2), 1, ctx, cfg.vocab_size), device=device)
     # token 0 as EOS, held off by min_new_tokens: every run generates exactly n tokens
     # eager: transformers >= 4.48 would torch.compile the forward of a static cache
-    kwargs = dict(do_sample=False, cache_implementation="static", eos_token_id=0, pad_token_id=0,
-                  disable_compile=True)
+    kwargs = dict(do_sample=False, cache_implementation="static", eos_token_id=0, pad_token_id=0, disable_compile=True)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with torch.no_grad():
         model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
@@ -540,13 +622,20 @@ def peer_transformers(entry: dict, params, cfg: ModelConfig, ours_tps: float, sm
             times[n] = min(times.get(n, math.inf), time.perf_counter() - t)
         theirs = model.generate(ids, **{**kwargs, "max_new_tokens": 16, "min_new_tokens": 16})[0, ctx:].tolist()
     tps = (new - 1) / (times[new] - times[1])
-    ours = Engine(params, cfg, num_pages=(64 if smoke else 256), page_size=16).generate(
-        ids.tolist(), 16, eos_token_ids=()).token_ids[0]
+    ours = (
+        Engine(params, cfg, num_pages=(64 if smoke else 256), page_size=16)
+        .generate(ids.tolist(), 16, eos_token_ids=())
+        .token_ids[0]
+    )
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 16)
     entry.update(greedy_tokens_agreeing=f"{agree} of 16", ok=agree == 16)
-    entry.update(peer=f"transformers {__import__('transformers').__version__} eager, static cache",
-                 torch=torch.__version__, tokens_per_s=round(tps, 1), ours_tokens_per_s=ours_tps,
-                 ours_vs_peer=round(ours_tps / tps, 2))
+    entry.update(
+        peer=f"transformers {__import__('transformers').__version__} eager, static cache",
+        torch=torch.__version__,
+        tokens_per_s=round(tps, 1),
+        ours_tokens_per_s=ours_tps,
+        ours_vs_peer=round(ours_tps / tps, 2),
+    )
 
 
 def hf_tensors(params, cfg: ModelConfig):
@@ -559,13 +648,17 @@ def hf_tensors(params, cfg: ModelConfig):
     for i, layer in enumerate(params["layers"]):
         p = f"model.layers.{i}."
         w = layer["wqkv"]
-        yield from ((p + "self_attn.q_proj.weight", w[:q]), (p + "self_attn.k_proj.weight", w[q:q + kv]),
-                    (p + "self_attn.v_proj.weight", w[q + kv:]), (p + "self_attn.o_proj.weight", layer["wo"]),
-                    (p + "input_layernorm.weight", layer["attn_norm"]),
-                    (p + "post_attention_layernorm.weight", layer["mlp_norm"]),
-                    (p + "mlp.gate_proj.weight", layer["w_gate_up"][:cfg.intermediate_size]),
-                    (p + "mlp.up_proj.weight", layer["w_gate_up"][cfg.intermediate_size:]),
-                    (p + "mlp.down_proj.weight", layer["w_down"]))
+        yield from (
+            (p + "self_attn.q_proj.weight", w[:q]),
+            (p + "self_attn.k_proj.weight", w[q : q + kv]),
+            (p + "self_attn.v_proj.weight", w[q + kv :]),
+            (p + "self_attn.o_proj.weight", layer["wo"]),
+            (p + "input_layernorm.weight", layer["attn_norm"]),
+            (p + "post_attention_layernorm.weight", layer["mlp_norm"]),
+            (p + "mlp.gate_proj.weight", layer["w_gate_up"][: cfg.intermediate_size]),
+            (p + "mlp.up_proj.weight", layer["w_gate_up"][cfg.intermediate_size :]),
+            (p + "mlp.down_proj.weight", layer["w_down"]),
+        )
 
 
 def to_torch(arr, device: str):
@@ -575,7 +668,8 @@ def to_torch(arr, device: str):
     if device == "cuda":
         return torch.from_dlpack(jnp.array(arr, copy=True)).clone()
     return torch.from_numpy(np.array(arr.astype(jnp.float32))).to(
-        torch.bfloat16 if arr.dtype == jnp.bfloat16 else torch.float32)
+        torch.bfloat16 if arr.dtype == jnp.bfloat16 else torch.float32
+    )
 
 
 # --------------------------------------------------------------------------- lowering
@@ -609,13 +703,15 @@ def lower_programs(tp: int, dp: int = 1, methods=METHODS):
                 if isinstance(fn, functools.partial):  # the mesh's engine functions bind the mesh
                     jitted, bound = fn.func, fn.keywords
                 with use_attention_backend("pallas"):
-                    exp = export.export(jitted, platforms=["cuda"], disabled_checks=[
-                        export.DisabledSafetyCheck.custom_call(TRITON)])(*args, **bound, **kwargs)
+                    exp = export.export(
+                        jitted, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)]
+                    )(*args, **bound, **kwargs)
                 seen[label] = triton_calls(exp.mlir_module(), TINY, local_kv_heads)
                 calls, problem = seen[label]
                 if problem is None and calls == 0 and name in ATTENDING:
                     seen[label] = (0, "no Pallas/Triton kernel in a program that attends")
             return fn(*args, **kwargs)
+
         return run
 
     with use_attention_backend("xla"):
@@ -628,8 +724,9 @@ def lower_programs(tp: int, dp: int = 1, methods=METHODS):
     return [(name, calls, problem) for name, (calls, problem) in seen.items()]
 
 
-def triton_calls(module_text: str, cfg: ModelConfig, local_kv_heads: int,
-                 page_size: int = 16) -> tuple[int, str | None]:
+def triton_calls(
+    module_text: str, cfg: ModelConfig, local_kv_heads: int, page_size: int = 16
+) -> tuple[int, str | None]:
     """(number of Triton custom calls, problem): the KV pools a call reads ([KVH, pages,
     page_size, head_dim] operands) must hold the device's own KV heads (the kernel inside
     shard_map), not every head gathered onto each device."""
@@ -637,12 +734,16 @@ def triton_calls(module_text: str, cfg: ModelConfig, local_kv_heads: int,
 
     calls = [line for line in module_text.splitlines() if TRITON in line and "custom_call" in line]
     operands = [line.rsplit(" : (", 1)[-1].split(") ->")[0] for line in calls]  # not the result
-    shapes = [tuple(int(x) for x in m.split("x")[:-1])
-              for ops in operands for m in re.findall(r"tensor<([0-9x]+x(?:bf16|f16|f32))>", ops)]
+    shapes = [
+        tuple(int(x) for x in m.split("x")[:-1])
+        for ops in operands
+        for m in re.findall(r"tensor<([0-9x]+x(?:bf16|f16|f32))>", ops)
+    ]
     heads = {s[0] for s in shapes if len(s) == 4 and s[2:] == (page_size, cfg.head_dim)}
     if heads - {local_kv_heads}:
-        return len(calls), (f"the kernel reads {max(heads)} KV heads on each device, not its own "
-                            f"{local_kv_heads} (outside shard_map)")
+        return len(calls), (
+            f"the kernel reads {max(heads)} KV heads on each device, not its own {local_kv_heads} (outside shard_map)"
+        )
     return len(calls), None
 
 
@@ -651,8 +752,11 @@ def lower_only(tp: int, dp: int = 1, methods=METHODS) -> int:
     kernel forced on; one line per program with its Triton custom calls. Exit status 1 when a
     program that attends has none, or (tp > 1) when a kernel reads every KV head on each device."""
     if jax.device_count() < tp * dp:
-        print(f"gpu_check: --tp {tp} --dp {dp} needs {tp * dp} devices; on CPU set "
-              f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp}", file=sys.stderr)
+        print(
+            f"gpu_check: --tp {tp} --dp {dp} needs {tp * dp} devices; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp}",
+            file=sys.stderr,
+        )
         return 2
     failures = 0
     for name, calls, problem in lower_programs(tp, dp, methods):
@@ -667,8 +771,18 @@ def lower_only(tp: int, dp: int = 1, methods=METHODS) -> int:
 
 # Sections in the order they run, each with the budget it must have left to start on a GPU
 # (about its time on an H100/H200, compiles included).
-SECTIONS = {"environment": 0, "kernel": 30, "methods": 60, "sampling": 20, "decode": 90, "peer": 45,
-            "oracle": 50, "verify": 60, "attention": 40, "tiles": 30}
+SECTIONS = {
+    "environment": 0,
+    "kernel": 30,
+    "methods": 60,
+    "sampling": 20,
+    "decode": 90,
+    "peer": 45,
+    "oracle": 50,
+    "verify": 60,
+    "attention": 40,
+    "tiles": 30,
+}
 CORRECTNESS = ("kernel", "methods", "sampling")
 
 
@@ -687,13 +801,15 @@ def main(argv=None) -> int:
     if args.lower_only:
         return lower_only(args.tp, args.dp, tuple(args.methods.split(",")))
     if not args.smoke and not gpu_supports_kernel():
-        print(f"gpu_check: no CUDA GPU of compute capability >= 8.0 here (backend "
-              f"{jax.default_backend()}); use --smoke or --lower-only", file=sys.stderr)
+        print(
+            f"gpu_check: no CUDA GPU of compute capability >= 8.0 here (backend "
+            f"{jax.default_backend()}); use --smoke or --lower-only",
+            file=sys.stderr,
+        )
         return 2
     wanted = set(filter(None, args.only.split(","))) - set(filter(None, args.skip.split(",")))
     if unknown := wanted - set(SECTIONS):
-        print(f"gpu_check: unknown sections {sorted(unknown)}; the sections are {', '.join(SECTIONS)}",
-              file=sys.stderr)
+        print(f"gpu_check: unknown sections {sorted(unknown)}; the sections are {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
     smoke = args.smoke
     report = Report(args.out, "smoke" if smoke else "gpu", args.budget_s)

@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import specjax.spec_decode as spec_decode  # noqa: E402
-from specjax import Engine, SamplingConfig, load_model  # noqa: E402
-from specjax.bench import read_bench_prompts  # noqa: E402
-from specjax.methods import make_proposer  # noqa: E402
-from specjax.prompts import encode_prompt  # noqa: E402
+import specjax.spec_decode as spec_decode
+from specjax import Engine, SamplingConfig, load_model
+from specjax.bench import read_bench_prompts
+from specjax.methods import make_proposer
+from specjax.prompts import encode_prompt
 
 
 def paired_accept(rules, n_keys: int, sink):
@@ -40,9 +40,16 @@ def paired_accept(rules, n_keys: int, sink):
         result = accept(tree, logits, keys, sampling, rule, **options)
         if not sampling.greedy:
             fresh = jax.random.split(jax.random.fold_in(keys[0], 7), n_keys)
-            means = [jnp.mean(jax.lax.map(lambda k, r=r: accept(
-                tree, logits, jnp.broadcast_to(k, keys.shape), sampling, r).n_accepted, fresh)
-                .astype(jnp.float32), axis=0) for r in rules]
+            means = [
+                jnp.mean(
+                    jax.lax.map(
+                        lambda k, r=r: accept(tree, logits, jnp.broadcast_to(k, keys.shape), sampling, r).n_accepted,
+                        fresh,
+                    ).astype(jnp.float32),
+                    axis=0,
+                )
+                for r in rules
+            ]
             jax.debug.callback(sink, *means)
         return result
 
@@ -59,8 +66,11 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--keys", type=int, default=64, help="keys per rule and step")
     ap.add_argument("--no-lookup", action="store_true")
-    ap.add_argument("--eagle-default-tree", action="store_true",
-                    help="EAGLE-1 over its 26-node default tree instead of the shipped heads' 3")
+    ap.add_argument(
+        "--eagle-default-tree",
+        action="store_true",
+        help="EAGLE-1 over its 26-node default tree instead of the shipped heads' 3",
+    )
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args(argv)
     rules = args.rules.split(",")
@@ -82,14 +92,26 @@ def main(argv=None):
     engine = Engine(model.params, model.config, page_size=16, num_pages=200)
     sampling = SamplingConfig(temperature=args.temperature)
     for n, p in enumerate(tqdm(prompts, desc="prompts")):
-        engine.generate([encode_prompt(model.tokenizer, p["text"], raw=False)], args.max_new_tokens,
-                        sampling=sampling, seeds=[n], proposer=proposer, proposer_params=params)
+        engine.generate(
+            [encode_prompt(model.tokenizer, p["text"], raw=False)],
+            args.max_new_tokens,
+            sampling=sampling,
+            seeds=[n],
+            proposer=proposer,
+            proposer_params=params,
+        )
     got = {r: np.concatenate(steps[r]) for r in rules}
     base = rules[0]
-    result = {"method": args.method, "options": options, "prompts": len(prompts),
-              "steps": int(len(got[base])), "keys": args.keys, "temperature": args.temperature,
-              "proposer_rule": proposer.rule,
-              "tokens_per_pass": {r: float(1 + got[r].mean()) for r in rules}}
+    result = {
+        "method": args.method,
+        "options": options,
+        "prompts": len(prompts),
+        "steps": int(len(got[base])),
+        "keys": args.keys,
+        "temperature": args.temperature,
+        "proposer_rule": proposer.rule,
+        "tokens_per_pass": {r: float(1 + got[r].mean()) for r in rules},
+    }
     for r in rules[1:]:
         diff = got[r] - got[base]
         result[f"{r}_over_{base}"] = float((1 + got[r].mean()) / (1 + got[base].mean()))

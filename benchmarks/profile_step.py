@@ -49,8 +49,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--method", default="eagle2")
-    ap.add_argument("--option", action="append", default=[],
-                    help="make_proposer option KEY=VALUE (repeatable)")
+    ap.add_argument("--option", action="append", default=[], help="make_proposer option KEY=VALUE (repeatable)")
     ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
     ap.add_argument("--category", default="math")
     ap.add_argument("--nth", type=int, default=0, help="which of the category's prompts")
@@ -63,8 +62,7 @@ def main(argv=None):
 
     work = tempfile.mkdtemp(prefix="specjax-profile-")
     dump = os.path.join(work, "hlo")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_dump_to={dump} --xla_dump_hlo_as_text")
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
     import jax
     from jax.profiler import ProfileData
 
@@ -72,8 +70,8 @@ def main(argv=None):
 
     from specjax import Engine, load_model
     from specjax.bench import read_bench_prompts
-    from specjax.prompts import encode_prompt
     from specjax.methods import make_proposer
+    from specjax.prompts import encode_prompt
 
     options = {}
     for item in args.option:
@@ -90,8 +88,7 @@ def main(argv=None):
     from specjax.sampling import SamplingConfig
 
     kw = dict(proposer=proposer, proposer_params=proposer_params) if proposer else {}
-    kw["sampling"] = SamplingConfig(temperature=args.temperature, top_k=args.top_k,
-                                    top_p=args.top_p)
+    kw["sampling"] = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     engine.generate([ids], args.max_new_tokens, warmup=True, **kw)  # compiles (and dumps HLO)
     trace = os.path.join(work, "trace")
     jax.profiler.start_trace(trace)
@@ -118,11 +115,12 @@ def main(argv=None):
     shutil.rmtree(work, ignore_errors=True)
     total = sum(per_phase.values())
     label = " ".join([args.method, *args.option])
-    print(f"{label}: {steps} steps for {len(out.token_ids[0])} tokens "
-          f"({out.seconds / steps * 1e3:.2f} ms per step wall, profiler on)")
+    print(
+        f"{label}: {steps} steps for {len(out.token_ids[0])} tokens "
+        f"({out.seconds / steps * 1e3:.2f} ms per step wall, profiler on)"
+    )
     for phase, ns in per_phase.most_common():
-        print(f"  {phase:8s} {ns / steps / 1e6:7.2f} ms/step  {ns / total:6.1%}  "
-              f"{counts[phase] / steps:.0f} ops/step")
+        print(f"  {phase:8s} {ns / steps / 1e6:7.2f} ms/step  {ns / total:6.1%}  {counts[phase] / steps:.0f} ops/step")
     print(f"  {'total':8s} {total / steps / 1e6:7.2f} ms/step")
     for (phase, op), ns in per_op.most_common(args.top):
         print(f"    {ns / steps / 1e6:7.3f} ms  {phase:8s} {op}")

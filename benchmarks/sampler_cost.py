@@ -23,13 +23,14 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import specjax.sampling as sampling_mod  # noqa: E402
-from specjax import Engine, SamplingConfig, load_model  # noqa: E402
-from specjax.bench import read_bench_prompts  # noqa: E402
-from common import add_sampled_decoding_args  # noqa: E402
-from specjax.compile_cache import enable_compile_cache  # noqa: E402
-from specjax.methods import make_proposer  # noqa: E402
-from specjax.prompts import encode_prompt  # noqa: E402
+from common import add_sampled_decoding_args
+
+import specjax.sampling as sampling_mod
+from specjax import Engine, SamplingConfig, load_model
+from specjax.bench import read_bench_prompts
+from specjax.compile_cache import enable_compile_cache
+from specjax.methods import make_proposer
+from specjax.prompts import encode_prompt
 
 SAMPLERS = {"inverse_cdf": sampling_mod.inverse_cdf_draw, "gumbel_max": sampling_mod.gumbel_max_draw}
 
@@ -64,20 +65,19 @@ def main(argv=None):
     enable_compile_cache()  # each prompt traces both programs anew; compiling them is paid once
     model = load_model("smollm2-135m")
     draw_ms = one_draw_ms(model.config.vocab_size)
-    print("one draw from a row of the vocabulary: " + ", ".join(
-        f"{name} {ms:.3f} ms" for name, ms in draw_ms.items()), flush=True)
-    methods = {m: (None, None) if m == "vanilla" else make_proposer(m, model)
-               for m in args.methods.split(",")}
+    print(
+        "one draw from a row of the vocabulary: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in draw_ms.items()),
+        flush=True,
+    )
+    methods = {m: (None, None) if m == "vanilla" else make_proposer(m, model) for m in args.methods.split(",")}
     engine = Engine(model.params, model.config, page_size=16, num_pages=200)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    prompts = read_bench_prompts(args.prompts, ["chat", "code", "math", "summarization"],
-                                 args.limit)
+    prompts = read_bench_prompts(args.prompts, ["chat", "code", "math", "summarization"], args.limit)
     totals = {(m, s): {"seconds": 0.0, "steps": 0, "tokens": 0} for m in methods for s in SAMPLERS}
     for n, prompt in enumerate(prompts):
         ids = encode_prompt(model.tokenizer, prompt["text"], False)
         for method, (proposer, params) in methods.items():
-            order = [name for r in range(args.rounds)
-                     for name in sorted(SAMPLERS, reverse=(n + r) % 2 == 1)]
+            order = [name for r in range(args.rounds) for name in sorted(SAMPLERS, reverse=(n + r) % 2 == 1)]
             for name in order:
                 sampling_mod.inverse_cdf_draw = SAMPLERS[name]  # what `categorical` calls on a CPU
                 jax.clear_caches()  # trace anew under this sampler
@@ -89,20 +89,32 @@ def main(argv=None):
                 t["seconds"] += out.seconds - out.prefill_seconds
                 t["steps"] += out.steps[0]
                 t["tokens"] += len(out.token_ids[0])
-                print(f"{n:3d} {prompt['category']:14s} {method:8s} {name:11s} {out.steps[0]} steps, "
-                      f"{(out.seconds - out.prefill_seconds) / out.steps[0] * 1e3:.2f} ms per step",
-                      flush=True)
+                print(
+                    f"{n:3d} {prompt['category']:14s} {method:8s} {name:11s} {out.steps[0]} steps, "
+                    f"{(out.seconds - out.prefill_seconds) / out.steps[0] * 1e3:.2f} ms per step",
+                    flush=True,
+                )
     sampling_mod.inverse_cdf_draw = SAMPLERS["inverse_cdf"]
     rows = []
     for (method, name), t in totals.items():
-        rows.append({"method": method, "sampler": name, "ms_per_step": t["seconds"] / t["steps"] * 1e3,
-                     "tokens_per_step": t["tokens"] / t["steps"], "steps": t["steps"]})
-        print(f"{method:8s} {name:11s} {rows[-1]['ms_per_step']:.2f} ms per decode step, "
-              f"{rows[-1]['tokens_per_step']:.3f} tokens per step, over {t['steps']} steps")
+        rows.append(
+            {
+                "method": method,
+                "sampler": name,
+                "ms_per_step": t["seconds"] / t["steps"] * 1e3,
+                "tokens_per_step": t["tokens"] / t["steps"],
+                "steps": t["steps"],
+            }
+        )
+        print(
+            f"{method:8s} {name:11s} {rows[-1]['ms_per_step']:.2f} ms per decode step, "
+            f"{rows[-1]['tokens_per_step']:.3f} tokens per step, over {t['steps']} steps"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "one_draw_ms": draw_ms,
-                                              "rows": rows}, indent=1) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"args": vars(args), "one_draw_ms": draw_ms, "rows": rows}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

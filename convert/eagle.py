@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-from specjax.checkpoint import (CheckpointError, _read_safetensors, _read_torch_bin,
-                                hf_layer_params, read_json, tensor_access)
-from specjax.config import ModelConfig
+from specjax.checkpoint import (
+    CheckpointError,
+    hf_layer_params,
+    read_json,
+    read_safetensors,
+    read_torch_bin,
+    tensor_access,
+)
 from specjax.heads import save_heads
+from specjax.model_config import ModelConfig
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -50,8 +55,7 @@ def is_eagle_dir(path: Path) -> bool:
     """A directory holding SafeAILab EAGLE heads (an `fc` over [embedding; feature])."""
     names = head_tensor_names(path) or []
     # EAGLE-3 heads (convert/eagle3.py) also hold an fc: a `midlayer` or d2t/t2d marks them.
-    return "fc.weight" in names and not any(
-        k.startswith(("model.", "midlayer.")) or k in ("d2t", "t2d") for k in names)
+    return "fc.weight" in names and not any(k.startswith(("model.", "midlayer.")) or k in ("d2t", "t2d") for k in names)
 
 
 def read_eagle(path: Path) -> tuple[dict, dict]:
@@ -63,16 +67,17 @@ def read_eagle(path: Path) -> tuple[dict, dict]:
     weights = next((path / f for f in WEIGHT_FILES if (path / f).exists()), None)
     if weights is None:
         raise CheckpointError(f"no EAGLE weights ({' or '.join(WEIGHT_FILES)}) in {path}")
-    sd = _read_safetensors(weights) if weights.suffix == ".safetensors" else _read_torch_bin(weights)
+    sd = read_safetensors(weights) if weights.suffix == ".safetensors" else read_torch_bin(weights)
 
     get, expect = tensor_access(sd, str(weights))
     d = config.hidden_size
     fc = {"kernel": expect("fc.weight", get("fc.weight"), (d, 2 * d)).T.copy()}
     if "fc.bias" in sd:
         fc["bias"] = expect("fc.bias", sd["fc.bias"], (d,))
-    layers = [hf_layer_params(get, expect, f"layers.{i}.", config,
-                              input_norm=f"layers.{i}.input_layernorm.weight" in sd)
-              for i in range(config.num_layers)]
+    layers = [
+        hf_layer_params(get, expect, f"layers.{i}.", config, input_norm=f"layers.{i}.input_layernorm.weight" in sd)
+        for i in range(config.num_layers)
+    ]
     meta = {"hidden_size": d, "vocab_size": config.vocab_size, "config": config.to_hf()}
     flat_layers = {str(i): layer for i, layer in enumerate(layers)}
     return meta, {"fc": fc, "layers": flat_layers}

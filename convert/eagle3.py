@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.checkpoint import CheckpointError, read_json, read_safetensors, read_torch_bin, tensor_access
 from specjax.convert.eagle import WEIGHT_FILES, head_tensor_names
-from specjax.checkpoint import (CheckpointError, _read_safetensors, _read_torch_bin, read_json,
-                                tensor_access)
-from specjax.config import ConfigError, ModelConfig
+from specjax.model_config import ConfigError, ModelConfig
 from specjax.proposers.eagle3_net import save_eagle3_heads, t2d_mask
 
 MARKERS = ("midlayer.", "d2t", "t2d")
@@ -46,14 +45,15 @@ def read_eagle3(path: Path) -> tuple[ModelConfig, dict, dict]:
     path = Path(path)
     raw = dict(read_json(path / "config.json"))
     if int(raw.get("num_hidden_layers", 1)) != 1:
-        raise CheckpointError(f"{path}: EAGLE-3 heads with {raw['num_hidden_layers']} layers are "
-                              "not supported (SafeAILab's have one)")
+        raise CheckpointError(
+            f"{path}: EAGLE-3 heads with {raw['num_hidden_layers']} layers are not supported (SafeAILab's have one)"
+        )
     if raw.get("norm_before_residual"):
         raise CheckpointError(f"{path}: norm_before_residual EAGLE-3 heads are not supported")
     weights = next((path / f for f in WEIGHT_FILES if (path / f).exists()), None)
     if weights is None:
         raise CheckpointError(f"no EAGLE-3 weights ({' or '.join(WEIGHT_FILES)}) in {path}")
-    sd = _read_safetensors(weights) if weights.suffix == ".safetensors" else _read_torch_bin(weights)
+    sd = read_safetensors(weights) if weights.suffix == ".safetensors" else read_torch_bin(weights)
 
     raw["architectures"] = ["LlamaForCausalLM"]  # the draft layer is a Llama layer
     raw["attention_bias"] = "midlayer.self_attn.q_proj.bias" in sd
@@ -80,29 +80,45 @@ def read_eagle3(path: Path) -> tuple[ModelConfig, dict, dict]:
     layer = {
         "attn_norm": vec(p + "input_layernorm.weight", d),
         "hidden_norm": vec(p + "hidden_norm.weight", d),
-        "wqkv": np.concatenate([lin(p + "self_attn.q_proj.weight", q, 2 * d),
-                                lin(p + "self_attn.k_proj.weight", kv, 2 * d),
-                                lin(p + "self_attn.v_proj.weight", kv, 2 * d)], axis=0),
+        "wqkv": np.concatenate(
+            [
+                lin(p + "self_attn.q_proj.weight", q, 2 * d),
+                lin(p + "self_attn.k_proj.weight", kv, 2 * d),
+                lin(p + "self_attn.v_proj.weight", kv, 2 * d),
+            ],
+            axis=0,
+        ),
         "wo": lin(p + "self_attn.o_proj.weight", d, q),
         "mlp_norm": vec(p + "post_attention_layernorm.weight", d),
-        "w_gate_up": np.concatenate([lin(p + "mlp.gate_proj.weight", f, d),
-                                     lin(p + "mlp.up_proj.weight", f, d)], axis=0),
+        "w_gate_up": np.concatenate(
+            [lin(p + "mlp.gate_proj.weight", f, d), lin(p + "mlp.up_proj.weight", f, d)], axis=0
+        ),
         "w_down": lin(p + "mlp.down_proj.weight", d, f),
     }
     if config.attention_bias:
-        layer["bqkv"] = np.concatenate([vec(p + "self_attn.q_proj.bias", q),
-                                        vec(p + "self_attn.k_proj.bias", kv),
-                                        vec(p + "self_attn.v_proj.bias", kv)])
+        layer["bqkv"] = np.concatenate(
+            [
+                vec(p + "self_attn.q_proj.bias", q),
+                vec(p + "self_attn.k_proj.bias", kv),
+                vec(p + "self_attn.v_proj.bias", kv),
+            ]
+        )
     fc = {"kernel": lin("fc.weight", d, 3 * dt).T.copy()}  # flax Dense kernel: [in, out]
     if "fc.bias" in sd:
         fc["bias"] = vec("fc.bias", d)
-    params = {"fc": fc, "layers": [layer], "norm": vec("norm.weight", d),
-              "lm_head": expect("lm_head.weight", get("lm_head.weight"), (vd, d))}
+    params = {
+        "fc": fc,
+        "layers": [layer],
+        "norm": vec("norm.weight", d),
+        "lm_head": expect("lm_head.weight", get("lm_head.weight"), (vd, d)),
+    }
     if "embed_tokens.weight" in sd:
         params["embed"] = expect("embed_tokens.weight", sd["embed_tokens.weight"], (v, d))
     elif dt != d:
-        raise CheckpointError(f"{weights} lacks 'embed_tokens.weight', needed when "
-                              f"target_hidden_size ({dt}) differs from hidden_size ({d})")
+        raise CheckpointError(
+            f"{weights} lacks 'embed_tokens.weight', needed when "
+            f"target_hidden_size ({dt}) differs from hidden_size ({d})"
+        )
 
     if "d2t" in sd:
         d2t = _as_int("d2t", sd["d2t"], (vd,))

@@ -58,7 +58,9 @@ def gguf_tokenizer(meta: Mapping[str, Any]):
     special = special_token_strings(meta)
     tok.post_processor = _post_processor(special, tok, add_bos, add_eos)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, chat_template=meta.get("tokenizer.chat_template"), **special,
+        tokenizer_object=tok,
+        chat_template=meta.get("tokenizer.chat_template"),
+        **special,
         clean_up_tokenization_spaces=False,
     )
     fast.add_bos_token, fast.add_eos_token = add_bos, add_eos  # kept in tokenizer_config.json
@@ -68,8 +70,12 @@ def gguf_tokenizer(meta: Mapping[str, Any]):
 def special_token_strings(meta: Mapping[str, Any]) -> dict[str, str]:
     """bos/eos/unk/pad token strings, looked up from the GGUF's special token ids."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    ids = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-           "pad_token": "padding_token_id"}
+    ids = {
+        "bos_token": "bos_token_id",
+        "eos_token": "eos_token_id",
+        "unk_token": "unknown_token_id",
+        "pad_token": "padding_token_id",
+    }
     out = {}
     for name, key in ids.items():
         i = meta.get(f"tokenizer.ggml.{key}")
@@ -103,16 +109,26 @@ def _byte_level(meta: Mapping[str, Any]) -> Tokenizer:
         return t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8"))
 
     vocab = {spelled(t): i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
-    tok = Tokenizer(BPE(vocab=vocab, merges=_merges(meta), dropout=None, continuing_subword_prefix="",
-                        end_of_word_suffix="", fuse_unk=False))
+    tok = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_merges(meta),
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     split = BYTE_LEVEL_SPLITS.get(meta.get("tokenizer.ggml.pre"))
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -124,7 +140,8 @@ def _sentencepiece(meta: Mapping[str, Any]) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
     tok = Tokenizer(BPE(vocab=vocab, merges=_merges(meta), fuse_unk=True, byte_fallback=True, dropout=None))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix_space else "never", split=False)
+        replacement="▁", prepend_scheme="first" if prefix_space else "never", split=False
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix_space:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -172,13 +189,19 @@ def _add_typed_tokens(tok: Tokenizer, meta: Mapping[str, Any], byte_level: bool)
     mislabel and is left alone (adding it would grow the vocabulary past the model's)."""
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or ()
     alphabet = set(byte_alphabet().values()) if byte_level else None
-    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
-               if k == CONTROL and (alphabet is None or set(t) <= alphabet)]
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, k in zip(tokens, types)
+        if k == CONTROL and (alphabet is None or set(t) <= alphabet)
+    ]
     if control:
         tok.add_special_tokens(control)
     vocab = tok.get_vocab()
-    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
-            if k == USER_DEFINED and t in vocab]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, k in zip(tokens, types)
+        if k == USER_DEFINED and t in vocab
+    ]
     if user:
         tok.add_tokens(user)
 

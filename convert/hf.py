@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specjax.checkpoint import (CheckpointError, is_specjax_checkpoint, param_pieces, read_config,
-                                save_hf, save_specjax)
+from specjax.checkpoint import CheckpointError, is_specjax_checkpoint, param_pieces, read_config, save_hf, save_specjax
 
 
 def _head_converters():
@@ -15,10 +14,12 @@ def _head_converters():
     from specjax.convert.medusa import convert_medusa, is_medusa_dir
     from specjax.convert.redrafter import convert_redrafter, is_redrafter_dir
 
-    return ((is_medusa_dir, convert_medusa),  # FasterDecoding/Medusa
-            (is_eagle3_dir, convert_eagle3),  # SafeAILab EAGLE-3 (also has an fc: before EAGLE)
-            (is_eagle_dir, convert_eagle),  # SafeAILab EAGLE-1/2
-            (is_redrafter_dir, convert_redrafter))  # apple/ml-recurrent-drafter
+    return (
+        (is_medusa_dir, convert_medusa),  # FasterDecoding/Medusa
+        (is_eagle3_dir, convert_eagle3),  # SafeAILab EAGLE-3 (also has an fc: before EAGLE)
+        (is_eagle_dir, convert_eagle),  # SafeAILab EAGLE-1/2
+        (is_redrafter_dir, convert_redrafter),
+    )  # apple/ml-recurrent-drafter
 
 
 def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) -> Path:
@@ -45,5 +46,4 @@ def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) 
     config, hf_config = read_config(path)
     save = save_specjax if to == "specjax" else save_hf
     # piece by piece from the source file to the output file, in the dtypes stored
-    return save(out, param_pieces(path, config, dtype=None), config, hf_config=hf_config,
-                tokenizer_dir=path)
+    return save(out, param_pieces(path, config, dtype=None), config, hf_config=hf_config, tokenizer_dir=path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.checkpoint import CheckpointError, _read_safetensors, _read_torch_bin, read_json
+from specjax.checkpoint import CheckpointError, read_json, read_safetensors, read_torch_bin
 from specjax.heads import save_heads
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -29,7 +29,7 @@ def read_medusa(path: Path) -> tuple[dict, dict]:
     weights = next((path / f for f in WEIGHT_FILES if (path / f).exists()), None)
     if weights is None:
         raise CheckpointError(f"no Medusa weights ({' or '.join(WEIGHT_FILES)}) in {path}")
-    sd = _read_safetensors(weights) if weights.suffix == ".safetensors" else _read_torch_bin(weights)
+    sd = read_safetensors(weights) if weights.suffix == ".safetensors" else read_torch_bin(weights)
     heads = sorted({int(k.split(".")[0]) for k in sd})
     num_heads = int(cfg.get("medusa_num_heads", len(heads)))
     num_layers = int(cfg.get("medusa_num_layers", 1))
@@ -54,9 +54,14 @@ def read_medusa(path: Path) -> tuple[dict, dict]:
     unknown = [k for k in sd if not re.fullmatch(r"\d+\.(\d+\.linear\.(weight|bias)|\d+\.weight)", k)]
     if unknown:
         raise CheckpointError(f"unexpected tensor '{unknown[0]}' in {weights}")
-    meta = {"num_heads": num_heads, "num_layers": num_layers, "hidden_size": int(hidden),
-            "vocab_size": int(vocab), "own_lm_head": True,
-            "base_model": cfg.get("base_model_name_or_path")}
+    meta = {
+        "num_heads": num_heads,
+        "num_layers": num_layers,
+        "hidden_size": int(hidden),
+        "vocab_size": int(vocab),
+        "own_lm_head": True,
+        "base_model": cfg.get("base_model_name_or_path"),
+    }
     return meta, {"params": params}
 
 

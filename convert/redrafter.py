@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.checkpoint import (CheckpointError, _read_safetensors, _read_torch_bin, read_json,
-                                tensor_access)
+from specjax.checkpoint import CheckpointError, read_json, read_safetensors, read_torch_bin, tensor_access
 from specjax.heads import save_heads
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt")
@@ -40,8 +39,7 @@ def is_redrafter_dir(path) -> bool:
         cfg = read_json(path / "config.json")
     except Exception:
         return False
-    return cfg.get("model_type") == MODEL_TYPE or (
-        "exit_dim" in cfg and "num_draft_layers" in cfg and "rnn" in cfg)
+    return cfg.get("model_type") == MODEL_TYPE or ("exit_dim" in cfg and "num_draft_layers" in cfg and "rnn" in cfg)
 
 
 def read_redrafter(path) -> tuple[dict, dict]:
@@ -58,7 +56,7 @@ def read_redrafter(path) -> tuple[dict, dict]:
     weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
     if weights is None:
         raise CheckpointError(f"no ReDrafter weights ({', '.join(WEIGHT_FILES)}) in {path}")
-    sd = _read_safetensors(weights) if weights.suffix == ".safetensors" else _read_torch_bin(weights)
+    sd = read_safetensors(weights) if weights.suffix == ".safetensors" else read_torch_bin(weights)
     get, expect = tensor_access(sd, str(weights))
 
     def pick(prefixes, rest):
@@ -77,14 +75,14 @@ def read_redrafter(path) -> tuple[dict, dict]:
     used = set()
     params = {"resblocks": {}}
     for i in range(n):
-        name = pick(HEAD_PREFIXES, f"{i}.linear.weight")[:-len("weight")]
+        name = pick(HEAD_PREFIXES, f"{i}.linear.weight")[: -len("weight")]
         params["resblocks"][str(i)] = linear(name, e, e)
         used |= {name + "weight", name + "bias"}
     name = pick(HEAD_PREFIXES, f"{n}.weight")
     params["lm_head"] = expect(name, get(name), (v, e))
     used.add(name)
     if e != 2 * d:
-        name = pick(PROJ_PREFIXES, "weight")[:-len("weight")]
+        name = pick(PROJ_PREFIXES, "weight")[: -len("weight")]
         params["input_proj"] = linear(name, 2 * d, e)
         used |= {name + "weight", name + "bias"}
     if rnn:
@@ -93,12 +91,19 @@ def read_redrafter(path) -> tuple[dict, dict]:
         used |= {"rnn_u.weight", "rnn_u.bias", "rnn_w.weight"}
     unknown = sorted(set(sd) - used)
     if unknown:
-        raise CheckpointError(f"unexpected tensor '{unknown[0]}' in {weights} (config: "
-                              f"num_draft_layers {n}, exit_dim {e}, rnn {rnn})")
+        raise CheckpointError(
+            f"unexpected tensor '{unknown[0]}' in {weights} (config: num_draft_layers {n}, exit_dim {e}, rnn {rnn})"
+        )
     if not params["resblocks"]:
         del params["resblocks"]
-    meta = {"hidden_size": d, "vocab_size": v, "exit_dim": e, "num_draft_layers": n, "rnn": rnn,
-            "source": "apple/ml-recurrent-drafter"}
+    meta = {
+        "hidden_size": d,
+        "vocab_size": v,
+        "exit_dim": e,
+        "num_draft_layers": n,
+        "rnn": rnn,
+        "source": "apple/ml-recurrent-drafter",
+    }
     return meta, params
 
 

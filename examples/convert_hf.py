@@ -46,13 +46,23 @@ def tiny_tokenizer(out: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    text = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
-            "Speculative decoding drafts tokens and verifies them in one pass."] * 10
-    tok.train_from_iterator(text, trainers.BpeTrainer(
-        vocab_size=300, show_progress=False, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(out))
+    text = [
+        "The quick brown fox jumps over the lazy dog.",
+        "def add(a, b):\n    return a + b",
+        "Speculative decoding drafts tokens and verifies them in one pass.",
+    ] * 10
+    tok.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            show_progress=False,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        str(out)
+    )
 
 
 def llama_layer(prefix: str, cfg: dict, input_norm: bool = True) -> dict:
@@ -60,11 +70,16 @@ def llama_layer(prefix: str, cfg: dict, input_norm: bool = True) -> dict:
     d, f = cfg["hidden_size"], cfg["intermediate_size"]
     hd = d // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    t = {"self_attn.q_proj.weight": randn(q, d), "self_attn.k_proj.weight": randn(kv, d),
-         "self_attn.v_proj.weight": randn(kv, d), "self_attn.o_proj.weight": randn(d, q),
-         "post_attention_layernorm.weight": np.ones(d, np.float32),
-         "mlp.gate_proj.weight": randn(f, d), "mlp.up_proj.weight": randn(f, d),
-         "mlp.down_proj.weight": randn(d, f)}
+    t = {
+        "self_attn.q_proj.weight": randn(q, d),
+        "self_attn.k_proj.weight": randn(kv, d),
+        "self_attn.v_proj.weight": randn(kv, d),
+        "self_attn.o_proj.weight": randn(d, q),
+        "post_attention_layernorm.weight": np.ones(d, np.float32),
+        "mlp.gate_proj.weight": randn(f, d),
+        "mlp.up_proj.weight": randn(f, d),
+        "mlp.down_proj.weight": randn(d, f),
+    }
     if input_norm:
         t["input_layernorm.weight"] = np.ones(d, np.float32)
     return {prefix + k: v for k, v in t.items()}
@@ -73,13 +88,27 @@ def llama_layer(prefix: str, cfg: dict, input_norm: bool = True) -> dict:
 def tiny_llama(out: Path) -> Path:
     """A Hugging Face LlamaForCausalLM directory: config.json, model.safetensors, tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320,
-           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-           "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
-    tensors = {"model.embed_tokens.weight": randn(cfg["vocab_size"], cfg["hidden_size"], scale=1.0),
-               "model.norm.weight": np.ones(cfg["hidden_size"], np.float32)}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    tensors = {
+        "model.embed_tokens.weight": randn(cfg["vocab_size"], cfg["hidden_size"], scale=1.0),
+        "model.norm.weight": np.ones(cfg["hidden_size"], np.float32),
+    }
     for i in range(cfg["num_hidden_layers"]):
         tensors.update(llama_layer(f"model.layers.{i}.", cfg))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -107,11 +136,11 @@ def medusa_heads(out: Path, cfg: dict, num_heads: int = 4) -> Path:
     d, v = cfg["hidden_size"], cfg["vocab_size"]
     tensors = {}
     for h in range(num_heads):
-        tensors.update({f"{h}.0.linear.weight": randn(d, d), f"{h}.0.linear.bias": randn(d),
-                        f"{h}.1.weight": randn(v, d)})
+        tensors.update(
+            {f"{h}.0.linear.weight": randn(d, d), f"{h}.0.linear.bias": randn(d), f"{h}.1.weight": randn(v, d)}
+        )
     save_file(tensors, str(out / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads,
-                                                 "medusa_num_layers": 1}))
+    (out / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": 1}))
     return out
 
 
@@ -149,14 +178,22 @@ def main():
     run("convert", str(eagle), "--out", str(out / "eagle"))
     run("convert", str(medusa), "--out", str(out / "medusa"))
 
-    common = ["--model", str(out / "model"), "--raw", "--prompt", args.prompt,
-              "--max-new-tokens", max_new, "--json"]
-    methods = {"vanilla": [],
-               # EAGLE-2's dynamic tree, sized for a CPU (the paper's GPU setting: 60 / 6 / 10).
-               "eagle2": ["--heads", str(out / "eagle"), "--eagle-total-tokens", "8",
-                          "--eagle-depth", "3", "--eagle-top-k", "3"],
-               "medusa": ["--heads", str(out / "medusa"), "--medusa-choices",
-                          "[[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]"]}
+    common = ["--model", str(out / "model"), "--raw", "--prompt", args.prompt, "--max-new-tokens", max_new, "--json"]
+    methods = {
+        "vanilla": [],
+        # EAGLE-2's dynamic tree, sized for a CPU (the paper's GPU setting: 60 / 6 / 10).
+        "eagle2": [
+            "--heads",
+            str(out / "eagle"),
+            "--eagle-total-tokens",
+            "8",
+            "--eagle-depth",
+            "3",
+            "--eagle-top-k",
+            "3",
+        ],
+        "medusa": ["--heads", str(out / "medusa"), "--medusa-choices", "[[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]"],
+    }
     vanilla = None
     for name, extra in methods.items():
         rec = json.loads(run("generate", "--method", name, *common, *extra).splitlines()[0])
@@ -165,8 +202,11 @@ def main():
             note = "" if args.model else "  (random weights: noise is expected)"
             print(f"text={rec['text']!r}{note}")
         same = rec["token_ids"] == vanilla  # lossless: any heads give vanilla's greedy text
-        print(f"method={name} mean_accepted={rec['mean_accepted']:.2f} "
-              f"tokens_per_s={rec['tokens_per_s']:.1f} same_as_vanilla={same}", flush=True)
+        print(
+            f"method={name} mean_accepted={rec['mean_accepted']:.2f} "
+            f"tokens_per_s={rec['tokens_per_s']:.1f} same_as_vanilla={same}",
+            flush=True,
+        )
     print(f"converted checkpoints in {out}")
 
 

@@ -16,8 +16,8 @@ import argparse
 
 import specjax
 from specjax import Engine, settings
-from specjax.prompts import encode_prompt
 from specjax.methods import make_proposer
+from specjax.prompts import encode_prompt
 
 # Every method with settings that suit a CPU (docs/benchmarks.md, "Every method"); the head
 # methods take the tree sizes their shipped checkpoints recommend.
@@ -38,13 +38,16 @@ SMOKE_METHODS = ("vanilla", "pld", "eagle2")
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # A prompt whose answer repeats the prompt's text, where Prompt-Lookup shines.
-    ap.add_argument("--prompt", default=(
-        "Fix the spelling mistakes in this text and write it out in full: \"The quick brown fox "
-        "jumpd over the lazy dog. The dog was not amused and chasd the fox into the forrest, "
-        "where they both got lost until mornig.\""))
+    ap.add_argument(
+        "--prompt",
+        default=(
+            'Fix the spelling mistakes in this text and write it out in full: "The quick brown fox '
+            "jumpd over the lazy dog. The dog was not amused and chasd the fox into the forrest, "
+            'where they both got lost until mornig."'
+        ),
+    )
     ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--methods", default=None,
-                    help="comma-separated subset of: " + ",".join(METHODS))
+    ap.add_argument("--methods", default=None, help="comma-separated subset of: " + ",".join(METHODS))
     ap.add_argument("--smoke", action="store_true", help="3 methods, few tokens (CI)")
     args = ap.parse_args()
     smoke = args.smoke or settings.examples_smoke()
@@ -69,8 +72,11 @@ def main():
         if baseline is None:
             baseline = (ids, rate)
             print("text=" + repr(model.tokenizer.decode(ids, skip_special_tokens=True)))
-        print(f"method={name} mean_accepted={out.mean_accepted[0]:.2f} tokens_per_s={rate:.1f} "
-              f"speedup={rate / baseline[1]:.2f} same_as_vanilla={ids == baseline[0]}", flush=True)
+        print(
+            f"method={name} mean_accepted={out.mean_accepted[0]:.2f} tokens_per_s={rate:.1f} "
+            f"speedup={rate / baseline[1]:.2f} same_as_vanilla={ids == baseline[0]}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

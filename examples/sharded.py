@@ -22,18 +22,17 @@ from __future__ import annotations
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402  (JAX must not be imported before XLA_FLAGS is set)
+import argparse
 
-import jax  # noqa: E402
+import jax
 
-import specjax  # noqa: E402
-from specjax import Engine, settings  # noqa: E402
-from specjax.prompts import encode_prompt  # noqa: E402
-from specjax.methods import make_proposer  # noqa: E402
-from specjax.sharding import make_mesh  # noqa: E402
+import specjax
+from specjax import Engine, settings
+from specjax.methods import make_proposer
+from specjax.prompts import encode_prompt
+from specjax.sharding import make_mesh
 
 PROMPTS = ["Write a short poem about the sea.", "What is the capital of France?"]
 
@@ -53,8 +52,7 @@ def main():
     print(f"devices={jax.device_count()} mesh={dict(mesh.shape)}")
     model = specjax.load_model("smollm2-135m", mesh=mesh)  # each weight straight into its shards
     q = model.params["layers"][0].get("wq", model.params["layers"][0].get("wqkv"))
-    print(f"layer 0 query weight {q.shape}: {q.sharding.spec}, "
-          f"{q.addressable_shards[0].data.shape} per device")
+    print(f"layer 0 query weight {q.shape}: {q.sharding.spec}, {q.addressable_shards[0].data.shape} per device")
     prompts = [encode_prompt(model.tokenizer, p, raw=False) for p in PROMPTS]
     proposer, params = make_proposer(args.method, model)
 
@@ -73,8 +71,7 @@ def main():
         for text, ids, mean in zip(PROMPTS, out.token_ids, out.mean_accepted):
             answer = model.tokenizer.decode(ids, skip_special_tokens=True)
             print(f"[{name}] {text!r} -> {answer!r}")
-            print(f"[{name}] mean_accepted={mean:.2f} tokens_per_s={rate:.1f} "
-                  f"new_tokens={len(ids)}")
+            print(f"[{name}] mean_accepted={mean:.2f} tokens_per_s={rate:.1f} new_tokens={len(ids)}")
     if "one_device" in results:
         same = results["mesh"].token_ids == results["one_device"].token_ids
         print(f"same_as_one_device={same}")

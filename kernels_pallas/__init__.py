@@ -6,6 +6,8 @@ which chooses the backend (the kernel here on a CUDA GPU of compute capability >
 native CPU kernel on one CPU device, the reference here elsewhere).
 """
 
+from specjax.kernels_pallas.paged_kv_write import write_paged_kv
+from specjax.kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
 from specjax.kernels_pallas.tree_paged_attention_reference import (
     attention_with_new_rows,
     gather_pages,
@@ -14,11 +16,15 @@ from specjax.kernels_pallas.tree_paged_attention_reference import (
     unwritten_keys_mask,
     visible_keys_mask,
 )
-from specjax.kernels_pallas.paged_kv_write import write_paged_kv
-from specjax.kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
 
 __all__ = [
-    "attention_with_new_rows", "gather_pages", "gathered_attention", "tree_paged_attention",
-    "tree_paged_attention_reference", "unsupported_reason", "unwritten_keys_mask",
-    "visible_keys_mask", "write_paged_kv",
+    "attention_with_new_rows",
+    "gather_pages",
+    "gathered_attention",
+    "tree_paged_attention",
+    "tree_paged_attention_reference",
+    "unsupported_reason",
+    "unwritten_keys_mask",
+    "visible_keys_mask",
+    "write_paged_kv",
 ]

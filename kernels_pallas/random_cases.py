@@ -12,8 +12,7 @@ import numpy as np
 from specjax.kernels_pallas.tree_paged_attention_reference import visible_keys_mask
 
 
-def make_case(seed, *, b=3, t=5, j=None, kvh=2, g=3, d=16, ps=16, n=None, dtype=jnp.float32,
-              window=None, fill=np.nan):
+def make_case(seed, *, b=3, t=5, j=None, kvh=2, g=3, d=16, ps=16, n=None, dtype=jnp.float32, window=None, fill=np.nan):
     """Random attention inputs; every pool slot no sequence reads holds `fill` (NaN).
 
     Tables are shuffled pages padded with the sink page, lengths differ per sequence and are
@@ -34,7 +33,7 @@ def make_case(seed, *, b=3, t=5, j=None, kvh=2, g=3, d=16, ps=16, n=None, dtype=
     read = np.zeros((num_pages + 1, ps), bool)
     for i in range(b):
         used = -(-(lengths[i] + j) // ps)
-        tables[i, :used] = perm[i * n:i * n + used]
+        tables[i, :used] = perm[i * n : i * n + used]
         for s in range(lengths[i] + j):
             read[tables[i, s // ps], s % ps] = True
     k = rng.standard_normal((kvh, num_pages + 1, ps, d))
@@ -48,11 +47,17 @@ def make_case(seed, *, b=3, t=5, j=None, kvh=2, g=3, d=16, ps=16, n=None, dtype=
         if parent[x] >= 0:
             anc[x] |= anc[parent[x]]
     # query i of T: a node of the tree over the J scratch keys (the last T when J > T)
-    tree = np.stack([anc[j - t:]] * b)
+    tree = np.stack([anc[j - t :]] * b)
     tree &= rng.random((b, t, 1)) < 0.9  # some queries see no tree key at all
     q = rng.standard_normal((b, t, h, d))
-    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(tables), jnp.asarray(lengths), jnp.asarray(tree))
+    args = (
+        jnp.asarray(q, dtype),
+        jnp.asarray(k, dtype),
+        jnp.asarray(v, dtype),
+        jnp.asarray(tables),
+        jnp.asarray(lengths),
+        jnp.asarray(tree),
+    )
     key_mask = None
     if window is not None:
         vis = visible_keys_mask(args[4], args[5], cap)
@@ -68,4 +73,3 @@ def rel_err(out, ref):
 
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
-

@@ -64,8 +64,7 @@ def unsupported_reason(q, k_pages, tree_mask) -> str | None:
 
 # Shared memory per SM (KiB) by compute capability, which Triton stages the K/V tiles through:
 # A100/H100-class parts have 163-227 KiB, A10/L4/RTX 30xx-40xx 99 KiB.
-SHARED_MEMORY_KIB = {(8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227, (10, 0): 227,
-                     (12, 0): 99}
+SHARED_MEMORY_KIB = {(8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227, (10, 0): 227, (12, 0): 99}
 HOPPER_KIB = 227  # off a GPU (interpret mode, CUDA lowering on CPU): the H100's tiles
 
 
@@ -79,8 +78,19 @@ def shared_memory_kib() -> int:
     return SHARED_MEMORY_KIB.get((major, minor), min(SHARED_MEMORY_KIB.values()))
 
 
-def default_blocks(b: int, t: int, h: int, kvh: int, page_size: int, num_slots: int, *,
-                   d: int = 128, itemsize: int = 2, num_stages: int = 2, smem_kib: int | None = None):
+def default_blocks(
+    b: int,
+    t: int,
+    h: int,
+    kvh: int,
+    page_size: int,
+    num_slots: int,
+    *,
+    d: int = 128,
+    itemsize: int = 2,
+    num_stages: int = 2,
+    smem_kib: int | None = None,
+):
     """(block_q, block_k, k_splits, num_warps): tile sizes and split count from static shapes.
 
     Decode has few query rows per KV head: wide key blocks keep more bytes in flight. Enough
@@ -94,15 +104,14 @@ def default_blocks(b: int, t: int, h: int, kvh: int, page_size: int, num_slots: 
     block_q = min(128, max(16, _pow2(rows)))
     block_k = max(page_size, 128 if block_q <= 32 else 64)
     budget = 0.75 * 1024 * (shared_memory_kib() if smem_kib is None else smem_kib)
-    tiles = lambda bq, bk: (bq + 2 * bk * num_stages) * d * itemsize  # noqa: E731
+    tiles = lambda bq, bk: (bq + 2 * bk * num_stages) * d * itemsize
     while tiles(block_q, block_k) > budget and block_k > 16:
         block_k //= 2
     while tiles(block_q, block_k) > budget and block_q > 16:
         block_q //= 2
     q_blocks = -(-rows // block_q)
     programs = b * kvh * q_blocks
-    k_splits = max(1, min(-(-256 // programs), num_slots // 256,
-                          num_slots // (8 * q_blocks * block_q)))
+    k_splits = max(1, min(-(-256 // programs), num_slots // 256, num_slots // (8 * q_blocks * block_q)))
     num_warps = 8 if block_q >= 128 else 4
     return block_q, block_k, k_splits, num_warps
 
@@ -127,9 +136,28 @@ def _tree_block_ranges(tree_mask, g: int, block_q: int, q_blocks: int, block_j: 
     return lo.astype(jnp.int32), jnp.maximum(hi, lo).astype(jnp.int32)
 
 
-def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g, num_slots,
-            page_size, block_q, block_k, block_j, k_splits, scale, has_key_mask, has_ranges,
-            split_out, has_new):
+def _kernel(
+    lengths_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    tree_ref,
+    *rest,
+    t,
+    g,
+    num_slots,
+    page_size,
+    block_q,
+    block_k,
+    block_j,
+    k_splits,
+    scale,
+    has_key_mask,
+    has_ranges,
+    split_out,
+    has_new,
+):
     rest = list(rest)
     k_new_ref, v_new_ref = (rest.pop(0), rest.pop(0)) if has_new else (None, None)
     key_ref = rest.pop(0) if has_key_mask else None
@@ -151,8 +179,7 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g,
     head = kv_head * g + rows % g
     # Gathers index every axis with an array (interpret mode takes no mix of arrays and slices).
     dim = jnp.arange(d)[None, :]
-    q = plgpu.load(q_ref.at[node[:, None], head[:, None], dim], mask=row_ok[:, None],
-                   other=0).astype(cdtype)
+    q = plgpu.load(q_ref.at[node[:, None], head[:, None], dim], mask=row_ok[:, None], other=0).astype(cdtype)
     length = lengths_ref[b]
     committed = jnp.minimum(length, num_slots)
 
@@ -186,32 +213,39 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g,
         return o, m_new, l * corr + jnp.sum(p, axis=1)
 
     def key_mask_tile(slot, ok):
-        tile = plgpu.load(key_ref.at[node[:, None], jnp.clip(slot, 0, num_slots - 1)[None, :]],
-                          mask=row_ok[:, None] & ok[None, :], other=False)
+        tile = plgpu.load(
+            key_ref.at[node[:, None], jnp.clip(slot, 0, num_slots - 1)[None, :]],
+            mask=row_ok[:, None] & ok[None, :],
+            other=False,
+        )
         return tile
 
     def committed_block(blk, carry):
         slot = blk * block_k + jnp.arange(block_k)
         ok = slot < committed
-        vis = key_mask_tile(slot, ok) if has_key_mask else jnp.broadcast_to(
-            ok[None, :], (block_q, block_k))
+        vis = key_mask_tile(slot, ok) if has_key_mask else jnp.broadcast_to(ok[None, :], (block_q, block_k))
         return attend(pool_rows(slot), (k_ref, v_ref), vis & row_ok[:, None], carry)
 
     def tree_block(blk, carry):
         col = blk * block_j + jnp.arange(block_j)
         slot = length + col
         ok = (col < j_total) & (slot < num_slots)
-        vis = plgpu.load(tree_ref.at[node[:, None], jnp.clip(col, 0, j_total - 1)[None, :]],
-                         mask=row_ok[:, None] & ok[None, :], other=False)
+        vis = plgpu.load(
+            tree_ref.at[node[:, None], jnp.clip(col, 0, j_total - 1)[None, :]],
+            mask=row_ok[:, None] & ok[None, :],
+            other=False,
+        )
         if has_key_mask:
             vis = vis & key_mask_tile(slot, ok)
         if has_new:
             return attend(new_rows(col), (k_new_ref, v_new_ref), vis, carry)
         return attend(pool_rows(slot), (k_ref, v_ref), vis, carry)
 
-    carry = (jnp.zeros((block_q, d), jnp.float32),
-             jnp.full((block_q,), -jnp.inf, jnp.float32),
-             jnp.zeros((block_q,), jnp.float32))
+    carry = (
+        jnp.zeros((block_q, d), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
     blocks = pl.cdiv(committed, block_k)
     per_split = pl.cdiv(blocks, k_splits)
     first = split * per_split
@@ -236,9 +270,26 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, tree_ref, *rest, t, g,
         out_ref[...] = out.astype(out_ref.dtype)
 
 
-def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, *, scale=None,
-                         key_mask=None, k_new=None, v_new=None, interpret=False, block_q=None,
-                         block_k=None, block_j=64, k_splits=None, num_warps=None, num_stages=2):
+def tree_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    tree_mask,
+    *,
+    scale=None,
+    key_mask=None,
+    k_new=None,
+    v_new=None,
+    interpret=False,
+    block_q=None,
+    block_k=None,
+    block_j=64,
+    k_splits=None,
+    num_warps=None,
+    num_stages=2,
+):
     """Attention of q [B, T, H, D] over the paged cache; returns [B, T, H, D] in q's dtype.
 
     k_pages, v_pages: [KVH, P + 1, page_size, D]; block_tables int32[B, n]; lengths int32[B];
@@ -263,8 +314,7 @@ def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, 
     n = block_tables.shape[1]
     num_slots = n * page_size
     j_total = tree_mask.shape[-1]
-    auto = default_blocks(b, t, h, kvh, page_size, num_slots, d=d, itemsize=q.dtype.itemsize,
-                          num_stages=num_stages)
+    auto = default_blocks(b, t, h, kvh, page_size, num_slots, d=d, itemsize=q.dtype.itemsize, num_stages=num_stages)
     block_q = block_q or auto[0]
     block_k = block_k or auto[1]
     k_splits = k_splits or auto[2]
@@ -273,13 +323,12 @@ def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, 
     for name, size in (("block_q", block_q), ("block_k", block_k), ("block_j", block_j)):
         if not _is_pow2(size) or size < 16:
             raise ValueError(f"{name}={size} must be a power of two >= 16")
-    scale = float(d ** -0.5 if scale is None else scale)
+    scale = float(d**-0.5 if scale is None else scale)
     q_blocks = -(-t * g // block_q)
     has_ranges = j_total > block_j
     split_out = k_splits > 1
 
-    inputs = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q, k_pages, v_pages,
-              tree_mask.astype(bool)]
+    inputs = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q, k_pages, v_pages, tree_mask.astype(bool)]
     specs = [
         pl.BlockSpec((b,), lambda bi, hi, i: (0,)),
         pl.BlockSpec((None, n), lambda bi, hi, i: (bi, 0)),
@@ -303,26 +352,36 @@ def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, 
             specs.append(pl.BlockSpec((b, q_blocks), lambda bi, hi, i: (0, 0)))
     if split_out:
         rows = q_blocks * block_q
-        out_shape = [jax.ShapeDtypeStruct((b, kvh, k_splits, rows, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, kvh, k_splits, rows), jnp.float32),
-                     jax.ShapeDtypeStruct((b, kvh, k_splits, rows), jnp.float32)]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, kvh, k_splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, k_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, k_splits, rows), jnp.float32),
+        ]
         out_specs = [
-            pl.BlockSpec((None, None, None, block_q, d),
-                         lambda bi, hi, i: (bi, hi, i % k_splits, i // k_splits, 0)),
-            pl.BlockSpec((None, None, None, block_q),
-                         lambda bi, hi, i: (bi, hi, i % k_splits, i // k_splits)),
-            pl.BlockSpec((None, None, None, block_q),
-                         lambda bi, hi, i: (bi, hi, i % k_splits, i // k_splits)),
+            pl.BlockSpec((None, None, None, block_q, d), lambda bi, hi, i: (bi, hi, i % k_splits, i // k_splits, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda bi, hi, i: (bi, hi, i % k_splits, i // k_splits)),
+            pl.BlockSpec((None, None, None, block_q), lambda bi, hi, i: (bi, hi, i % k_splits, i // k_splits)),
         ]
     else:
         out_shape = [jax.ShapeDtypeStruct((b, kvh, q_blocks * block_q, d), q.dtype)]
         out_specs = [pl.BlockSpec((None, None, block_q, d), lambda bi, hi, i: (bi, hi, i, 0))]
 
     kernel = functools.partial(
-        _kernel, t=t, g=g, num_slots=num_slots, page_size=page_size, block_q=block_q,
-        block_k=block_k, block_j=block_j, k_splits=k_splits, scale=scale,
-        has_key_mask=key_mask is not None, has_ranges=has_ranges, split_out=split_out,
-        has_new=has_new)
+        _kernel,
+        t=t,
+        g=g,
+        num_slots=num_slots,
+        page_size=page_size,
+        block_q=block_q,
+        block_k=block_k,
+        block_j=block_j,
+        k_splits=k_splits,
+        scale=scale,
+        has_key_mask=key_mask is not None,
+        has_ranges=has_ranges,
+        split_out=split_out,
+        has_new=has_new,
+    )
     outs = pl.pallas_call(
         kernel,
         grid=(b, kvh, q_blocks * k_splits),
@@ -334,7 +393,7 @@ def tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, 
         name=f"tree_paged_attention_q{block_q}_k{block_k}_s{k_splits}",
     )(*inputs)
     out = _merge_splits(*outs) if split_out else outs[0]
-    out = out[:, :, :t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4)
+    out = out[:, :, : t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 

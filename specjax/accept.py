@@ -115,8 +115,7 @@ def _walk_match(tree: DraftTree, logits, keys, sampling: SamplingConfig) -> Acce
     def try_node(j, carry):
         cur, y = carry
         take = ok[:, j] & (tree.parent[:, j] == cur) & (tree.tokens[:, j] == y)
-        return _only_if(jnp.any(take), lambda c: (jnp.where(take, j, c[0]),
-                                                  jnp.where(take, draw(j), c[1])), carry)
+        return _only_if(jnp.any(take), lambda c: (jnp.where(take, j, c[0]), jnp.where(take, draw(j), c[1])), carry)
 
     cur, y = jax.lax.fori_loop(1, t, try_node, (jnp.zeros((b,), jnp.int32), draw(0)))
     return AcceptResult(_path_to(tree, cur), tree.depth[jnp.arange(b), cur].astype(jnp.int32), y)
@@ -131,8 +130,11 @@ def accept_draws(tree: DraftTree, y) -> AcceptResult:
     ok = acceptable_nodes(tree)
     match = ok & (tree.parent >= 0) & (tree.tokens == parent_y)
     # Among (acceptable) siblings holding the same token only the first may be followed.
-    same = ((tree.parent[:, :, None] == tree.parent[:, None, :])
-            & (tree.tokens[:, :, None] == tree.tokens[:, None, :]) & ok[:, None, :])
+    same = (
+        (tree.parent[:, :, None] == tree.parent[:, None, :])
+        & (tree.tokens[:, :, None] == tree.tokens[:, None, :])
+        & ok[:, None, :]
+    )
     earlier = jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
     match = match & ~jnp.any(same & earlier, axis=2)
     return _follow(tree, match, y)
@@ -176,15 +178,13 @@ def _after_rejection(p, q, x, p_node):
     """(p', q') [B, V] after the draft x [B] is rejected: the residual norm(max(0, p - q)) (p at
     the node if it has no mass), and q without x renormalized, the next sibling's distribution."""
     drawn = jnp.arange(q.shape[-1])[None, :] == x[:, None]
-    return (_normalized(jnp.maximum(p - q, 0.0), p_node),
-            _normalized(jnp.where(drawn, 0.0, q), jnp.zeros_like(q)))
+    return (_normalized(jnp.maximum(p - q, 0.0), p_node), _normalized(jnp.where(drawn, 0.0, q), jnp.zeros_like(q)))
 
 
 def _only_if(pred, body, carry):
     """body(carry) if pred else carry, for a body that leaves carry as it is when it has nothing
-    to do. The skip pays on XLA:CPU (a node's [B, V] work, ~0.1 ms at V = 49,152: 0.4 ms of a
-    26 ms EAGLE-2 step); a GPU program runs the body, cheaper there than a conditional's
-    device-to-host read of pred."""
+    to do. The skip pays on XLA:CPU (a node's [B, V] work over a whole vocabulary); a GPU program
+    runs the body, cheaper there than a conditional's device-to-host read of pred."""
     if not on_cpu_path():
         return body(carry)
     return jax.lax.cond(pred, body, lambda c: c, carry)
@@ -250,9 +250,15 @@ def accept_recursive(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
         q_c = jnp.where(drop[:, None], q_rej, q_c)
         src = jnp.where(drop & new, j, src)
         carry = jnp.where(take, j, cur), p_c, q_c, src, jnp.where(tried, take, fresh)
-        return _only_if(jnp.any(take), lambda c: (  # p' at an accepted node: p there
-            c[0], jnp.where(take[:, None], p_at(j), c[1]), *c[2:]),
-            carry)
+        return _only_if(
+            jnp.any(take),
+            lambda c: (  # p' at an accepted node: p there
+                c[0],
+                jnp.where(take[:, None], p_at(j), c[1]),
+                *c[2:],
+            ),
+            carry,
+        )
 
     zero = jnp.zeros((b,), jnp.int32)
     p_root = p_at(0)
@@ -339,7 +345,7 @@ def accept_traversal(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
     same = _sibling_groups(tree)
     q_own = jnp.exp(jnp.take_along_axis(logq, tok[:, :, None], axis=2)[..., 0].astype(jnp.float32))
     siblings = _earlier_siblings(tree)
-    bound = lambda x: jnp.clip(jnp.log(x), -1e4, 1e4)  # noqa: E731  finite log-ratios
+    bound = lambda x: jnp.clip(jnp.log(x), -1e4, 1e4)
 
     def try_leaf(i, carry):  # once every row has accepted a node, the rest is skipped
         return _only_if(~jnp.all(carry[1]), lambda c: try_next(i, c), carry)
@@ -353,33 +359,44 @@ def accept_traversal(tree: DraftTree, logits, keys, sampling: SamplingConfig) ->
         p_tok = p_c[rows[:, None], parent, tok]  # p'(j) at j's parent  [B, T]
         q_tok = jnp.where(same, q_c[rows[:, None], parent, tok], q_own)  # q'(j)
         log_ratio = jnp.where(jnp.arange(t) == 0, 0.0, bound(p_tok) - bound(q_tok))
-        log_w = _path_log_weights(tree, anc & on_path[:, :, None], log_ratio, jnp.log(w_set),
-                                  was_set)
+        log_w = _path_log_weights(tree, anc & on_path[:, :, None], log_ratio, jnp.log(w_set), was_set)
         take = ~done & (u[:, i] < jnp.exp(log_w[rows, leaf]))
         drop = ~done & ~take
         x = parent[rows, leaf]  # the rejected leaf's parent
         a = jnp.exp(log_w[rows, x])
-        q = jnp.where(same[rows, leaf][:, None], q_c[rows, x],
-                      jnp.exp(logq[rows, leaf].astype(jnp.float32)))
+        q = jnp.where(same[rows, leaf][:, None], q_c[rows, x], jnp.exp(logq[rows, leaf].astype(jnp.float32)))
         scaled = a[:, None] * p_c[rows, x]
         mass = jnp.sum(jnp.maximum(scaled - q, 0.0), axis=-1)  # S
         h = _weight_after_rejection(mass, a)
         p_rej, q_rej = _after_rejection(scaled, q, tok[rows, leaf], p[rows, x])
-        put = lambda arr, val: arr.at[rows, x].set(jnp.where(drop[:, None], val, arr[rows, x]))  # noqa: E731
-        return (deleted.at[rows, leaf].set(deleted[rows, leaf] | drop), done | take,
-                jnp.where(take, leaf, final), put(p_c, p_rej), put(q_c, q_rej),
-                was_set.at[rows, x].set(was_set[rows, x] | drop),
-                w_set.at[rows, x].set(jnp.where(drop, h, w_set[rows, x])))
+        put = lambda arr, val: arr.at[rows, x].set(jnp.where(drop[:, None], val, arr[rows, x]))
+        return (
+            deleted.at[rows, leaf].set(deleted[rows, leaf] | drop),
+            done | take,
+            jnp.where(take, leaf, final),
+            put(p_c, p_rej),
+            put(q_c, q_rej),
+            was_set.at[rows, x].set(was_set[rows, x] | drop),
+            w_set.at[rows, x].set(jnp.where(drop, h, w_set[rows, x])),
+        )
 
-    init = (~tree.valid, jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32), p, jnp.zeros_like(p),
-            jnp.zeros((b, t), bool), jnp.ones((b, t), jnp.float32))
+    init = (
+        ~tree.valid,
+        jnp.zeros((b,), bool),
+        jnp.zeros((b,), jnp.int32),
+        p,
+        jnp.zeros_like(p),
+        jnp.zeros((b, t), bool),
+        jnp.ones((b, t), jnp.float32),
+    )
     _, _, final, p_c, *_ = jax.lax.fori_loop(0, t, try_leaf, init)
     nxt = jax.vmap(categorical)(next_keys, jnp.log(p_c[rows, final]))
     return AcceptResult(_path_to(tree, final), tree.depth[rows, final].astype(jnp.int32), nxt)
 
 
-def accept_typical(tree: DraftTree, logits, keys, sampling: SamplingConfig,
-                   posterior_threshold: float, posterior_alpha: float) -> AcceptResult:
+def accept_typical(
+    tree: DraftTree, logits, keys, sampling: SamplingConfig, posterior_threshold: float, posterior_alpha: float
+) -> AcceptResult:
     """Medusa's typical acceptance (lossy): see the module docstring."""
     b, t = tree.tokens.shape
     logp = processed_logprobs(logits, sampling)
@@ -389,13 +406,19 @@ def accept_typical(tree: DraftTree, logits, keys, sampling: SamplingConfig,
     parent = jnp.clip(tree.parent, 0, t - 1)
     p_parent = p[jnp.arange(b)[:, None], parent]  # [B, T, V]: p at each node's parent
     p_tok = jnp.take_along_axis(p_parent, tree.tokens[:, :, None], axis=2)[..., 0]
-    ok = (acceptable_nodes(tree) & (tree.parent >= 0)
-          & (p_tok > jnp.take_along_axis(bar, parent, axis=1)))
+    ok = acceptable_nodes(tree) & (tree.parent >= 0) & (p_tok > jnp.take_along_axis(bar, parent, axis=1))
     return _follow(tree, ok, _node_draws(logits, keys, sampling, logp))
 
 
-def accept(tree: DraftTree, logits, keys, sampling: SamplingConfig, rule: str = "match",
-           posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> AcceptResult:
+def accept(
+    tree: DraftTree,
+    logits,
+    keys,
+    sampling: SamplingConfig,
+    rule: str = "match",
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+) -> AcceptResult:
     """Dispatch on the rule (keys: one PRNG key per sequence); greedy always matches argmax."""
     if sampling.greedy or rule == "match":
         return accept_match(tree, logits, keys, sampling)
@@ -407,5 +430,4 @@ def accept(tree: DraftTree, logits, keys, sampling: SamplingConfig, rule: str = 
         return accept_traversal(tree, logits, keys, sampling)
     if rule == "typical":
         return accept_typical(tree, logits, keys, sampling, posterior_threshold, posterior_alpha)
-    raise ValueError(f"unknown acceptance rule '{rule}' "
-                     "(match, residual, recursive, traversal or typical)")
+    raise ValueError(f"unknown acceptance rule '{rule}' (match, residual, recursive, traversal or typical)")

@@ -32,12 +32,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from specjax.kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
-from specjax.kernels_pallas.tree_paged_attention_reference import (attention_with_new_rows,
-                                                           tree_paged_attention_reference,
-                                                           unwritten_keys_mask, visible_keys_mask)
 from specjax.cpu import attention as cpu_attention
 from specjax.cpu.native import register
+from specjax.kernels_pallas.tree_paged_attention import tree_paged_attention, unsupported_reason
+from specjax.kernels_pallas.tree_paged_attention_reference import (
+    attention_with_new_rows,
+    tree_paged_attention_reference,
+    unwritten_keys_mask,
+    visible_keys_mask,
+)
 from specjax.settings import ATTENTION as _SETTING
 
 ENV_VAR = _SETTING.name
@@ -58,30 +61,38 @@ def attention_mesh(mesh, batch_axis: str = "data", head_axis: str = "model"):
         _MESH.reset(token)
 
 
-def _on_mesh(kernel, q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new,
-             v_new):
+def _on_mesh(kernel, q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new, v_new):
     """`kernel` under shard_map over the mesh of `attention_mesh` (or plainly without one, or
     when the heads do not split evenly over its head axis, with a warning)."""
     placed = _MESH.get()
     if placed is None:
-        return kernel(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new,
-                      v_new)
+        return kernel(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new, v_new)
     mesh, batch_axis, head_axis = placed
     tp = mesh.shape[head_axis]
     if k_pages.shape[0] % tp or q.shape[2] % tp:
-        warnings.warn(f"attention heads ({q.shape[2]} query, {k_pages.shape[0]} KV) do not split "
-                      f"over {tp} devices: the kernel reads every head on each device", stacklevel=3)
-        return kernel(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new,
-                      v_new)
+        warnings.warn(
+            f"attention heads ({q.shape[2]} query, {k_pages.shape[0]} KV) do not split "
+            f"over {tp} devices: the kernel reads every head on each device",
+            stacklevel=3,
+        )
+        return kernel(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new, v_new)
     b = batch_axis if q.shape[0] % mesh.shape[batch_axis] == 0 else None
     pool = P(head_axis, None, None, None)
     rows = P(b, None, head_axis, None)
-    specs = (rows, pool, pool, P(b, None), P(b), P(b, None, None),
-             None if key_mask is None else P(b, None, None), None if k_new is None else rows,
-             None if v_new is None else rows)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=rows,
-                         check_vma=False)(q, k_pages, v_pages, block_tables, lengths, tree_mask,
-                                          key_mask, k_new, v_new)
+    specs = (
+        rows,
+        pool,
+        pool,
+        P(b, None),
+        P(b),
+        P(b, None, None),
+        None if key_mask is None else P(b, None, None),
+        None if k_new is None else rows,
+        None if v_new is None else rows,
+    )
+    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(
+        q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new, v_new
+    )
 
 
 def attention_setting() -> str:
@@ -136,8 +147,9 @@ def on_cpu_path() -> bool:
     return jax.default_backend() == "cpu" and not uses_pallas()
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, *, scale=None,
-                    key_mask=None, k_new=None, v_new=None):
+def paged_attention(
+    q, k_pages, v_pages, block_tables, lengths, tree_mask, *, scale=None, key_mask=None, k_new=None, v_new=None
+):
     """Tree-masked attention over the paged cache on the selected backend ([B, T, H, D]).
 
     Arguments as `tree_paged_attention_reference`. Pass key_mask only when it hides more than
@@ -148,56 +160,62 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, *, sc
     pass deferring its writes); the pools' tree slots are then never read.
     """
     if not q.dtype == k_pages.dtype == v_pages.dtype:
-        raise ValueError(f"attention queries are {q.dtype} but the KV pools {k_pages.dtype}/"
-                         f"{v_pages.dtype}: the pools must take the model's dtype")
+        raise ValueError(
+            f"attention queries are {q.dtype} but the KV pools {k_pages.dtype}/"
+            f"{v_pages.dtype}: the pools must take the model's dtype"
+        )
     backend = attention_backend()
     if k_new is not None and backend not in ("pallas", "pallas-interpret"):
-        return _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale,
-                              key_mask, k_new, v_new)
+        return _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale, key_mask, k_new, v_new)
     if backend == "cpu":
         if cpu_attention.kernel_applies(q, k_pages):
             if key_mask is None:
-                key_mask = visible_keys_mask(lengths, tree_mask,
-                                             block_tables.shape[1] * k_pages.shape[2])
-            return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, key_mask,
-                                                     scale=scale)
+                key_mask = visible_keys_mask(lengths, tree_mask, block_tables.shape[1] * k_pages.shape[2])
+            return cpu_attention.cpu_paged_attention(q, k_pages, v_pages, block_tables, key_mask, scale=scale)
     elif backend != "xla":
         if backend == "pallas" and jax.default_backend() == "gpu" and not gpu_supports_kernel():
-            raise ValueError("attention backend 'pallas' forced, but the GPU's compute capability "
-                             "is below 8.0 (the kernel needs Ampere or newer)")
+            raise ValueError(
+                "attention backend 'pallas' forced, but the GPU's compute capability "
+                "is below 8.0 (the kernel needs Ampere or newer)"
+            )
         reason = unsupported_reason(q, k_pages, tree_mask)
         if reason is None:
             kernel = functools.partial(_kernel, scale=scale, interpret=backend == "pallas-interpret")
-            return _on_mesh(kernel, q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask,
-                            k_new, v_new)
+            return _on_mesh(kernel, q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new, v_new)
         if attention_setting() != "auto":
-            raise ValueError(f"attention backend {backend!r} forced, but the kernel cannot run: "
-                             f"{reason}")
-        warnings.warn(f"the Pallas attention kernel cannot run ({reason}): using the XLA "
-                      "reference", stacklevel=2)
+            raise ValueError(f"attention backend {backend!r} forced, but the kernel cannot run: {reason}")
+        warnings.warn(f"the Pallas attention kernel cannot run ({reason}): using the XLA reference", stacklevel=2)
         if k_new is not None:
-            return _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale,
-                                  key_mask, k_new, v_new)
-    return tree_paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, tree_mask,
-                                          scale=scale, key_mask=key_mask)
+            return _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale, key_mask, k_new, v_new)
+    return tree_paged_attention_reference(
+        q, k_pages, v_pages, block_tables, lengths, tree_mask, scale=scale, key_mask=key_mask
+    )
 
 
-def _kernel(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new, v_new, *,
-            scale, interpret):
-    return tree_paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale=scale,
-                                key_mask=key_mask, k_new=k_new, v_new=v_new, interpret=interpret)
+def _kernel(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask, k_new, v_new, *, scale, interpret):
+    return tree_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        lengths,
+        tree_mask,
+        scale=scale,
+        key_mask=key_mask,
+        k_new=k_new,
+        v_new=v_new,
+        interpret=interpret,
+    )
 
 
-def _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale, key_mask, k_new,
-                   v_new):
+def _with_new_rows(q, k_pages, v_pages, block_tables, lengths, tree_mask, scale, key_mask, k_new, v_new):
     """The reference with the unwritten tree rows (slots lengths + i) appended."""
     t = q.shape[1]
     num_slots = block_tables.shape[1] * k_pages.shape[2]
     seen = visible_keys_mask(lengths, tree_mask, num_slots) if key_mask is None else key_mask
     slots = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None, :]
     mask = unwritten_keys_mask(seen, slots, jnp.ones(slots.shape, bool))
-    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k_new, v_new,
-                                   scale=scale)
+    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale=scale)
 
 
 def attention_unwritten(q, k, v, k_pages, v_pages, block_tables, mask):

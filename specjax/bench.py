@@ -97,7 +97,7 @@ def resident_gib() -> float:
             pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return float("inf")
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def mapping_share() -> float:
@@ -156,10 +156,23 @@ def _hf_models(model, draft_layers: int, max_draft_len: int):
     return hf, draft
 
 
-def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, categories=None,
-              limit: int | None = None, max_new_tokens: int = 128, peers=(), heads_dir=None,
-              page_size: int = 16, progress: bool = True, sampling=None, seed: int = 0,
-              keep_programs_gib: float = 8.0) -> dict:
+def run_bench(
+    model_name: str,
+    methods: list[str],
+    prompts_file,
+    out_dir,
+    *,
+    categories=None,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    peers=(),
+    heads_dir=None,
+    page_size: int = 16,
+    progress: bool = True,
+    sampling=None,
+    seed: int = 0,
+    keep_programs_gib: float = 8.0,
+) -> dict:
     """Run the benchmark; writes records.jsonl, results.json, results.md and results.png in
     out_dir and returns the results dict. sampling: a SamplingConfig (default greedy); every
     method and peer samples with it, prompt i with seed + i. Compiled programs are kept across
@@ -182,8 +195,10 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
     prompts = read_bench_prompts(prompts_file, categories, limit)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_settings(out_dir, {"model": model_name, "max_new_tokens": max_new_tokens,
-                              "sampling": dataclasses.asdict(sampling), "seed": seed})
+    _check_settings(
+        out_dir,
+        {"model": model_name, "max_new_tokens": max_new_tokens, "sampling": dataclasses.asdict(sampling), "seed": seed},
+    )
     model = load_model(model_name)
     proposers = {}
     for s in specs:
@@ -193,21 +208,27 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
         proposers[s.label] = make_proposer(s.method, model, **opts)
     encoded = [encode_prompt(model.tokenizer, p["text"], raw=False) for p in prompts]
     longest = max(len(e) for e in encoded) + max_new_tokens + 128
-    engine = Engine(model.params, model.config, page_size=page_size,
-                    num_pages=2 * (-(-longest // page_size)) + 8)
+    engine = Engine(model.params, model.config, page_size=page_size, num_pages=2 * (-(-longest // page_size)) + 8)
     records_path = out_dir / "records.jsonl"
     done = _load_records(records_path)
     hf = hf_draft = None
     draft_spec = next((s for s in specs if s.method == "draft"), None)
     draft_opts = dict(draft_spec.options) if draft_spec else {}
     labels = [s.label for s in specs] + (list(PEERS) if peers else [])
-    todo = [(n, p, e, m) for n, (p, e) in enumerate(zip(prompts, encoded)) for m in labels
-            if done.get((p["category"], p["index"], m), {}).get("prompt_sha") != prompt_sha(p)]
+    todo = [
+        (n, p, e, m)
+        for n, (p, e) in enumerate(zip(prompts, encoded))
+        for m in labels
+        if done.get((p["category"], p["index"], m), {}).get("prompt_sha") != prompt_sha(p)
+    ]
     with records_path.open("a") as log:
         last = None
         for n, p, prompt, label in tqdm(todo, desc="bench", disable=not progress):
-            if n != last and last is not None and (resident_gib() > keep_programs_gib
-                                                   or mapping_share() > KEEP_MAPPING_SHARE):
+            if (
+                n != last
+                and last is not None
+                and (resident_gib() > keep_programs_gib or mapping_share() > KEEP_MAPPING_SHARE)
+            ):
                 # every method's programs for every shape seen would stay in memory (past the
                 # box's 24 GiB, or its mapping limit, over a long run); a warmup recompiles or
                 # reloads those it needs
@@ -215,32 +236,50 @@ def run_bench(model_name: str, methods: list[str], prompts_file, out_dir, *, cat
             last = n
             if label in PEERS:
                 if hf is None:
-                    hf, hf_draft = _hf_models(model, draft_opts.get("draft_layers", 8),
-                                              draft_opts.get("max_draft_len", 4))
-                rec = _run_hf(hf, hf_draft, label, prompt, max_new_tokens,
-                              draft_opts.get("prompt_lookup_num_tokens", 10), sampling, seed + n)
+                    hf, hf_draft = _hf_models(
+                        model, draft_opts.get("draft_layers", 8), draft_opts.get("max_draft_len", 4)
+                    )
+                rec = _run_hf(
+                    hf,
+                    hf_draft,
+                    label,
+                    prompt,
+                    max_new_tokens,
+                    draft_opts.get("prompt_lookup_num_tokens", 10),
+                    sampling,
+                    seed + n,
+                )
             else:
                 proposer, pparams = proposers[label]
-                kw = dict(proposer=proposer, proposer_params=pparams, sampling=sampling,
-                          seeds=[seed + n])
+                kw = dict(proposer=proposer, proposer_params=pparams, sampling=sampling, seeds=[seed + n])
                 # every method prefills the whole prompt, as a first request does: none reuses
                 # the pages an earlier run published (the chat template's opening included), and
                 # the warmup compiles the very shapes the timed run uses
                 engine.allocator.forget_prefixes()
                 engine.generate([prompt], max_new_tokens, warmup=True, **kw)
                 out = engine.generate([prompt], max_new_tokens, **kw)
-                rec = {"tokens": len(out.token_ids[0]), "seconds": out.seconds,
-                       "prefill_seconds": out.prefill_seconds, "steps": out.steps[0],
-                       "token_ids": out.token_ids[0]}
-            rec.update(category=p["category"], index=p["index"], method=label,
-                       prompt_sha=prompt_sha(p))
+                rec = {
+                    "tokens": len(out.token_ids[0]),
+                    "seconds": out.seconds,
+                    "prefill_seconds": out.prefill_seconds,
+                    "steps": out.steps[0],
+                    "token_ids": out.token_ids[0],
+                }
+            rec.update(category=p["category"], index=p["index"], method=label, prompt_sha=prompt_sha(p))
             done[(p["category"], p["index"], label)] = rec
             log.write(json.dumps(rec) + "\n")
             log.flush()
     rows = summarize(done, [p for p in prompts], labels, compare_outputs=sampling.greedy)
-    result = {"machine": machine(), "model": model_name, "max_new_tokens": max_new_tokens,
-              "batch": 1, "prompts_file": str(prompts_file),
-              "sampling": dataclasses.asdict(sampling), "seed": seed, "rows": rows}
+    result = {
+        "machine": machine(),
+        "model": model_name,
+        "max_new_tokens": max_new_tokens,
+        "batch": 1,
+        "prompts_file": str(prompts_file),
+        "sampling": dataclasses.asdict(sampling),
+        "seed": seed,
+        "rows": rows,
+    }
     write_results(result, out_dir)
     return result
 
@@ -256,10 +295,8 @@ def _check_settings(out_dir: Path, settings: dict) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         if old != settings:
-            changed = ", ".join(f"{k} {old.get(k)} -> {v}" for k, v in settings.items()
-                                if old.get(k) != v)
-            raise BenchError(f"{out_dir} holds a run with other settings ({changed}); "
-                             "use another --out")
+            changed = ", ".join(f"{k} {old.get(k)} -> {v}" for k, v in settings.items() if old.get(k) != v)
+            raise BenchError(f"{out_dir} holds a run with other settings ({changed}); use another --out")
     path.write_text(json.dumps(settings) + "\n")
 
 
@@ -270,22 +307,32 @@ def _run_hf(hf, hf_draft, label, prompt, max_new_tokens, pld_tokens, sampling, s
         how = {"do_sample": False}
     else:
         torch.manual_seed(seed)
-        how = {"do_sample": True, "temperature": sampling.temperature,
-               "top_k": sampling.top_k, "top_p": sampling.top_p}  # top_k 0: off
+        how = {
+            "do_sample": True,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+        }  # top_k 0: off
 
-    extra = {"hf-vanilla": {}, "hf-pld": {"prompt_lookup_num_tokens": pld_tokens},
-             "hf-assisted": {"assistant_model": hf_draft}}[label]
+    extra = {
+        "hf-vanilla": {},
+        "hf-pld": {"prompt_lookup_num_tokens": pld_tokens},
+        "hf-assisted": {"assistant_model": hf_draft},
+    }[label]
     ids = torch.tensor([prompt])
     with torch.no_grad():
         t = time.perf_counter()
         res = hf.generate(ids, max_new_tokens=max_new_tokens, **how, **extra)
         seconds = time.perf_counter() - t
-    return {"tokens": int(res.shape[1] - ids.shape[1]), "seconds": seconds, "steps": None,
-            "token_ids": res[0, ids.shape[1]:].tolist()}
+    return {
+        "tokens": int(res.shape[1] - ids.shape[1]),
+        "seconds": seconds,
+        "steps": None,
+        "token_ids": res[0, ids.shape[1] :].tolist(),
+    }
 
 
-def summarize(records: dict, prompts: list[dict], labels: list[str],
-              compare_outputs: bool = True) -> list[dict]:
+def summarize(records: dict, prompts: list[dict], labels: list[str], compare_outputs: bool = True) -> list[dict]:
     """One row per (category, method): sums over the category's prompts. compare_outputs:
     count the prompts whose output equals vanilla's (greedy runs; sampled runs differ)."""
     rows = []
@@ -302,8 +349,11 @@ def summarize(records: dict, prompts: list[dict], labels: list[str],
             peer = label.startswith("hf-")
             # decoding alone: every new token comes from a decode step, after a prefill of the
             # prompt that all methods share (records of older runs hold no prefill time)
-            decode_s = (None if peer or any("prefill_seconds" not in r for r in recs) else
-                        sum(r["seconds"] - r["prefill_seconds"] for r in recs))
+            decode_s = (
+                None
+                if peer or any("prefill_seconds" not in r for r in recs)
+                else sum(r["seconds"] - r["prefill_seconds"] for r in recs)
+            )
             decode_tps = tokens / decode_s if decode_s else None
             if label in ("vanilla", "hf-vanilla"):
                 base["hf" if peer else "ours"] = tps
@@ -311,35 +361,46 @@ def summarize(records: dict, prompts: list[dict], labels: list[str],
                     base["decode"] = decode_tps
             vanilla = [records.get((cat, r["index"], "vanilla")) for r in recs]
             steps = None if peer else sum(r["steps"] for r in recs)
-            rows.append({
-                "category": cat, "method": label, "library": "transformers" if peer else "specjax",
-                "prompts": len(recs), "new_tokens": tokens,
-                "mean_accepted": round(tokens / steps, 3) if steps else None,
-                "tokens_per_s": round(tps, 2),
-                "speedup_vs_vanilla": round(tps / base["ours"], 3) if base.get("ours") else None,
-                "speedup_vs_own_vanilla": round(tps / base["hf" if peer else "ours"], 3)
-                if base.get("hf" if peer else "ours") else None,
-                "decode_tokens_per_s": None if decode_tps is None else round(decode_tps, 2),
-                "decode_speedup_vs_vanilla": round(decode_tps / base["decode"], 3)
-                if decode_tps and base.get("decode") else None,
-                "greedy_equals_vanilla": None if peer or not compare_outputs else
-                f"{sum(v is not None and v['token_ids'] == r['token_ids'] for v, r in zip(vanilla, recs))}/{len(recs)}",
-            })
+            same = sum(v is not None and v["token_ids"] == r["token_ids"] for v, r in zip(vanilla, recs))
+            rows.append(
+                {
+                    "category": cat,
+                    "method": label,
+                    "library": "transformers" if peer else "specjax",
+                    "prompts": len(recs),
+                    "new_tokens": tokens,
+                    "mean_accepted": round(tokens / steps, 3) if steps else None,
+                    "tokens_per_s": round(tps, 2),
+                    "speedup_vs_vanilla": round(tps / base["ours"], 3) if base.get("ours") else None,
+                    "speedup_vs_own_vanilla": round(tps / base["hf" if peer else "ours"], 3)
+                    if base.get("hf" if peer else "ours")
+                    else None,
+                    "decode_tokens_per_s": None if decode_tps is None else round(decode_tps, 2),
+                    "decode_speedup_vs_vanilla": round(decode_tps / base["decode"], 3)
+                    if decode_tps and base.get("decode")
+                    else None,
+                    "greedy_equals_vanilla": None if peer or not compare_outputs else f"{same}/{len(recs)}",
+                }
+            )
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| category | method | mean accepted | tokens/s | speedup vs specjax vanilla | "
-             "speedup vs own vanilla | decode speedup vs specjax vanilla | greedy = vanilla |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| category | method | mean accepted | tokens/s | speedup vs specjax vanilla | "
+        "speedup vs own vanilla | decode speedup vs specjax vanilla | greedy = vanilla |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         name = r["method"] if r["library"] == "specjax" else f"transformers {r['method'][3:]}"
-        fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
-        lines.append(f"| {r['category']} | {name} | {r['mean_accepted'] or '-'} | "
-                     f"{r['tokens_per_s']} | {fmt(r['speedup_vs_vanilla'])} | "
-                     f"{fmt(r['speedup_vs_own_vanilla'])} | "
-                     f"{fmt(r.get('decode_speedup_vs_vanilla'))} | "
-                     f"{r['greedy_equals_vanilla'] or '-'} |")
+        fmt = lambda x: "-" if x is None else f"{x:.2f}x"
+        lines.append(
+            f"| {r['category']} | {name} | {r['mean_accepted'] or '-'} | "
+            f"{r['tokens_per_s']} | {fmt(r['speedup_vs_vanilla'])} | "
+            f"{fmt(r['speedup_vs_own_vanilla'])} | "
+            f"{fmt(r.get('decode_speedup_vs_vanilla'))} | "
+            f"{r['greedy_equals_vanilla'] or '-'} |"
+        )
     return "\n".join(lines)
 
 
@@ -352,7 +413,8 @@ def write_results(result: dict, out_dir: Path) -> None:
         f"{result['model']}, batch 1, up to {result['max_new_tokens']} new tokens, "
         f"{decoding_of(result)}, {result['machine']}\n\n{table}\n\n"
         "Decode speedup: new tokens per second of decoding alone (the time after the prompt's "
-        "prefill, which every method runs alike), over vanilla's.\n")
+        "prefill, which every method runs alike), over vanilla's.\n"
+    )
     plot_speedup(result, out_dir / "results.png")
 
 
@@ -361,8 +423,10 @@ def decoding_of(result: dict) -> str:
     s = result.get("sampling") or {"temperature": 0.0}
     if s["temperature"] == 0:
         return "greedy"
-    return (f"sampling at temperature {s['temperature']}, top-k {s['top_k'] or 'off'}, "
-            f"top-p {s['top_p']}, seed {result.get('seed', 0)} + prompt number")
+    return (
+        f"sampling at temperature {s['temperature']}, top-k {s['top_k'] or 'off'}, "
+        f"top-p {s['top_p']}, seed {result.get('seed', 0)} + prompt number"
+    )
 
 
 def _wrapped(label: str, width: int = 110) -> str:
@@ -397,21 +461,31 @@ def plot_speedup(result: dict, out: Path) -> Path:
     colors = plt.get_cmap("tab20").colors  # one color per method (up to 20)
     for ax, (key, ylabel) in zip(axes[:, 0], panels):
         for m, method in enumerate(methods):
-            vals = [next((r.get(key) or 0 for r in rows
-                          if r["category"] == c and r["method"] == method), 0) for c in cats]
+            vals = [
+                next((r.get(key) or 0 for r in rows if r["category"] == c and r["method"] == method), 0) for c in cats
+            ]
             xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(cats))]
             bars = ax.bar(xs, vals, width, label=method, color=colors[m % len(colors)])
             ax.bar_label(bars, fmt="%.2f", fontsize=6)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xticks(range(len(cats)), cats)
         ax.set_ylabel(ylabel, fontsize=8)
-    axes[0, 0].set_title(f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
-                         f"{decoding_of(result)}, {result['machine']}", fontsize=7)
+    axes[0, 0].set_title(
+        f"{result['model']}, batch 1, up to {result['max_new_tokens']} tokens, "
+        f"{decoding_of(result)}, {result['machine']}",
+        fontsize=7,
+    )
     fig.tight_layout()
     if methods:  # below the panels, so long method labels leave the bars their width
         handles, labels = axes[0, 0].get_legend_handles_labels()
-        axes[-1, 0].legend(handles, [_wrapped(label) for label in labels], fontsize=6,
-                           loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
+        axes[-1, 0].legend(
+            handles,
+            [_wrapped(label) for label in labels],
+            fontsize=6,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.1),
+            frameon=False,
+        )
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out

@@ -2,7 +2,8 @@
 
 The pools hold one [kv_heads, num_pages + 1, page_size, head_dim] array per layer for keys and
 one for values (head-major, as JAX's Pallas paged-attention kernels take them: the pages a
-sequence reads gather into [kv_heads, batch, slots, head_dim] with no transpose). `block_tables[b]` lists the pages of sequence b in order; `lengths[b]` counts its
+sequence reads gather into [kv_heads, batch, slots, head_dim] with no transpose).
+`block_tables[b]` lists the pages of sequence b in order; `lengths[b]` counts its
 committed tokens, which sit in slots 0..lengths[b]-1. The extra last page is a sink that no
 sequence owns: unused table entries point at it, writes of padding land in it, reads of it are
 masked.
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.config import ModelConfig
+from specjax.model_config import ModelConfig
 
 
 class CacheFullError(RuntimeError):
@@ -89,8 +90,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.refcount = np.zeros(num_pages, dtype=np.int64)
-        self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
-            (p, None) for p in range(num_pages))
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict((p, None) for p in range(num_pages))
         self._hash_to_page: dict[bytes, int] = {}
         self._page_to_hash: dict[int, bytes] = {}
 
@@ -101,7 +101,7 @@ class PageAllocator:
     def _prefix_hashes(self, tokens: Sequence[int], num_full: int, namespace: bytes = b"") -> list[bytes]:
         hashes, parent = [], namespace
         for i in range(num_full):
-            parent = _page_hash(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
+            parent = _page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size])
             hashes.append(parent)
         return hashes
 
@@ -116,8 +116,9 @@ class PageAllocator:
             pages.append(page)
         return pages
 
-    def allocate(self, num_slots: int, reusable_tokens: Sequence[int] = (),
-                 namespace: bytes = b"") -> tuple[list[int], int]:
+    def allocate(
+        self, num_slots: int, reusable_tokens: Sequence[int] = (), namespace: bytes = b""
+    ) -> tuple[list[int], int]:
         """Pages for a sequence of `num_slots` slots, reusing cached pages of `reusable_tokens`
         (published under `namespace`: a key space of its own, such as token pairs).
 
@@ -132,7 +133,8 @@ class PageAllocator:
         if fresh > available:
             raise CacheFullError(
                 f"KV cache out of pages: a sequence of {num_slots} tokens needs {fresh} free pages "
-                f"of {self.page_size} slots, {available} left of {self.num_pages}")
+                f"of {self.page_size} slots, {available} left of {self.num_pages}"
+            )
         for p in shared:
             if self.refcount[p] == 0:
                 del self._free[p]
@@ -176,5 +178,5 @@ def block_table_array(page_lists: Sequence[Sequence[int]], pages_per_seq: int, n
     """int32[B, pages_per_seq] padded with `num_pages` (the sink page)."""
     table = np.full((len(page_lists), pages_per_seq), num_pages, dtype=np.int32)
     for b, pages in enumerate(page_lists):
-        table[b, :len(pages)] = pages
+        table[b, : len(pages)] = pages
     return table

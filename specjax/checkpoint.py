@@ -22,13 +22,20 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from specjax.config import ConfigError, ModelConfig
+from specjax.model_config import ConfigError, ModelConfig
 
 FORMAT_FILE = "specjax.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
 )
 
 # specjax layer key -> HF names under model.layers.{i}. (both store linear weights [out, in]);
@@ -47,14 +54,24 @@ FORMAT_VERSION = 2
 LINEAR_KEYS = ("wqkv", "wo", "w_gate_up", "w_down", "wq", "wk", "wv", "w_gate", "w_up")
 # safetensors dtype codes; bfloat16 and float8 through ml_dtypes, as JAX names them.
 SAFETENSORS_DTYPES = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
-    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 _SAFETENSORS_CODES = {np.dtype(t): code for code, t in SAFETENSORS_DTYPES.items()}
-_ML_FLOATS = {np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn),
-              np.dtype(ml_dtypes.float8_e5m2)}
+_ML_FLOATS = {np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)}
 # Header bytes `write_safetensors` reserves per tensor (a name, dtype, shape and two offsets).
 HEADER_BYTES_PER_TENSOR = 512
 # XLA's CPU client copies a host array aligned to this many bytes straight into a device buffer,
@@ -88,7 +105,7 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % HOST_ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def host_copy(arr: np.ndarray, dtype=None) -> np.ndarray:
@@ -175,13 +192,14 @@ def release_read(tensors: Mapping) -> None:
         tensors.release_read()
 
 
-def _read_safetensors(path: Path) -> SafetensorsTensors:
+def read_safetensors(path: Path) -> SafetensorsTensors:
     """The tensors of one safetensors file, read lazily, bfloat16 widened to float32."""
     return SafetensorsTensors([path], widen_bfloat16=True)
 
 
-def write_safetensors(path: Path, named_tensors: Iterable[tuple[str, np.ndarray]],
-                      max_tensors: int, metadata: dict | None = None) -> None:
+def write_safetensors(
+    path: Path, named_tensors: Iterable[tuple[str, np.ndarray]], max_tensors: int, metadata: dict | None = None
+) -> None:
     """Write (name, array) pairs as a safetensors file one tensor at a time, so they can come
     from a generator that holds one piece of a model at a time.
 
@@ -197,21 +215,25 @@ def write_safetensors(path: Path, named_tensors: Iterable[tuple[str, np.ndarray]
         for name, arr in named_tensors:
             arr = np.ascontiguousarray(arr)
             if arr.dtype not in _SAFETENSORS_CODES or arr.dtype.byteorder == ">":
-                raise CheckpointError(f"tensor '{name}' has dtype {arr.dtype}, which safetensors "
-                                      "does not store")
+                raise CheckpointError(f"tensor '{name}' has dtype {arr.dtype}, which safetensors does not store")
             f.write(arr.reshape(-1).view(np.uint8).data)
-            header[name] = {"dtype": _SAFETENSORS_CODES[arr.dtype], "shape": list(arr.shape),
-                            "data_offsets": [offset, offset + arr.nbytes]}
+            header[name] = {
+                "dtype": _SAFETENSORS_CODES[arr.dtype],
+                "shape": list(arr.shape),
+                "data_offsets": [offset, offset + arr.nbytes],
+            }
             offset += arr.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         if len(text) > reserve:
-            raise CheckpointError(f"{path}: {len(header) - len(meta)} tensors' header does not fit "
-                                  f"the {reserve} bytes reserved for {max_tensors}")
+            raise CheckpointError(
+                f"{path}: {len(header) - len(meta)} tensors' header does not fit "
+                f"the {reserve} bytes reserved for {max_tensors}"
+            )
         f.seek(0)
         f.write(reserve.to_bytes(8, "little") + text.ljust(reserve))
 
 
-def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
+def read_torch_bin(path: Path) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
@@ -220,8 +242,7 @@ def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"corrupt or truncated PyTorch checkpoint {path}: {e}") from None
-    return {k: v.to(torch.float32).numpy() if v.is_floating_point() else v.numpy()
-            for k, v in state.items()}
+    return {k: v.to(torch.float32).numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
 
 
 def read_hf_tensors(model_dir: Path) -> Mapping[str, np.ndarray]:
@@ -237,11 +258,11 @@ def read_hf_tensors(model_dir: Path) -> Mapping[str, np.ndarray]:
                 raise CheckpointError(f"missing weight shard {missing}")
             if index_name.startswith("model.safetensors"):
                 return SafetensorsTensors(files)
-            return {k: v for f in files for k, v in _read_torch_bin(f).items()}
+            return {k: v for f in files for k, v in read_torch_bin(f).items()}
     if (model_dir / "model.safetensors").exists():
         return SafetensorsTensors([model_dir / "model.safetensors"])
     if (model_dir / "pytorch_model.bin").exists():
-        return _read_torch_bin(model_dir / "pytorch_model.bin")
+        return read_torch_bin(model_dir / "pytorch_model.bin")
     raise CheckpointError(f"no weights (model.safetensors or pytorch_model.bin) in {model_dir}")
 
 
@@ -259,8 +280,7 @@ def tensor_access(tensors: Mapping[str, np.ndarray], source: str = "checkpoint",
         if tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"tensor '{name}' has shape {tuple(arr.shape)}, config says {shape}")
         if not is_floating(arr.dtype):
-            raise CheckpointError(f"tensor '{name}' has dtype {arr.dtype}, not a floating-point "
-                                  "weight")
+            raise CheckpointError(f"tensor '{name}' has dtype {arr.dtype}, not a floating-point weight")
         if not copy:  # checked only (a part the caller copies into a fused weight)
             return arr
         out = host_copy(arr, dtype)
@@ -274,32 +294,39 @@ def _hf_layer_shapes(config: ModelConfig) -> dict[str, tuple]:
     """Shape of each HF tensor of a decoder layer, by its name under model.layers.{i}."""
     d, f = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (q, d),
-            "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-            "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (d, q),
-            "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (f, d),
-            "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    return {
+        "input_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (d, q),
+        "post_attention_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
 
 
 def _param_shapes(config: ModelConfig) -> dict[str, tuple]:
     """Shape of each specjax parameter, by its top-level or layer key (fused keys: the sum of
     their parts along the output axis)."""
     hf = _hf_layer_shapes(config)
-    shapes = {key: (sum(hf[s][0] for s in parts),) + hf[parts[0]][1:]
-              for key, parts in _LAYER_KEYS.items()}
+    shapes = {key: (sum(hf[s][0] for s in parts),) + hf[parts[0]][1:] for key, parts in _LAYER_KEYS.items()}
     v, d = config.vocab_size, config.hidden_size
     return {**shapes, "embed": (v, d), "lm_head": (v, d), "norm": (d,)}
 
 
-def hf_param_pieces(tensors: Mapping[str, np.ndarray], config: ModelConfig,
-                    dtype=np.float32) -> Iterator[tuple[str | int, object]]:
+def hf_param_pieces(
+    tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype=np.float32
+) -> Iterator[tuple[str | int, object]]:
     """specjax parameters from Hugging Face tensor names, piece by piece: ("embed", array), then
     (i, layer i's dict) for each layer, ("norm", array) and ("lm_head", array) if untied."""
     get, expect = tensor_access(tensors, dtype=dtype)
     shapes = _param_shapes(config)
-    yield "embed", expect("model.embed_tokens.weight", get("model.embed_tokens.weight"),
-                          shapes["embed"])
+    yield "embed", expect("model.embed_tokens.weight", get("model.embed_tokens.weight"), shapes["embed"])
     for i in range(config.num_layers):
         yield i, hf_layer_params(get, expect, f"model.layers.{i}.", config, dtype=dtype)
     yield "norm", expect("model.norm.weight", get("model.norm.weight"), shapes["norm"])
@@ -326,8 +353,7 @@ def param_items(params: dict) -> Iterator[tuple[str | int, object]]:
     yield from enumerate(params["layers"])
 
 
-def hf_layer_params(get, expect, prefix: str, config: ModelConfig, input_norm: bool = True,
-                    dtype=np.float32) -> dict:
+def hf_layer_params(get, expect, prefix: str, config: ModelConfig, input_norm: bool = True, dtype=np.float32) -> dict:
     """One decoder layer's specjax parameters from HF tensor names under `prefix`.
 
     get(name) returns a tensor (or raises naming it); expect(name, array, shape, copy) checks
@@ -357,13 +383,11 @@ def concatenate_rows(parts: list[np.ndarray], dtype=None) -> np.ndarray:
 def _hf_named(key: str | int, value, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """A parameter piece's Hugging Face tensors (names, [out, in] layout; fused keys split)."""
     if not isinstance(key, int):
-        name = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
-                "lm_head": "lm_head.weight"}[key]
+        name = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}[key]
         yield name, np.asarray(value)
         return
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    widths = {"wqkv": [q, kv, kv], "bqkv": [q, kv, kv],
-              "w_gate_up": [config.intermediate_size] * 2}
+    widths = {"wqkv": [q, kv, kv], "bqkv": [q, kv, kv], "w_gate_up": [config.intermediate_size] * 2}
     for k, arr in value.items():
         arr = np.asarray(arr)
         parts = np.split(arr, np.cumsum(widths[k])[:-1], axis=0) if k in widths else [arr]
@@ -381,16 +405,12 @@ def _flat_named(key: str | int, value) -> Iterator[tuple[str, np.ndarray]]:
 
 def params_to_hf(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
     """Hugging Face tensor names and [out, in] layout from a specjax parameter pytree."""
-    return {name: arr for key, value in param_items(params)
-            for name, arr in _hf_named(key, value, config)}
+    return {name: arr for key, value in param_items(params) for name, arr in _hf_named(key, value, config)}
 
 
-def flatten_params(params: dict) -> dict[str, np.ndarray]:
-    return {name: arr for key, value in param_items(params) for name, arr in _flat_named(key, value)}
-
-
-def specjax_param_pieces(tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype=np.float32,
-                         version: int = FORMAT_VERSION) -> Iterator[tuple[str | int, object]]:
+def specjax_param_pieces(
+    tensors: Mapping[str, np.ndarray], config: ModelConfig, dtype=np.float32, version: int = FORMAT_VERSION
+) -> Iterator[tuple[str | int, object]]:
     """specjax parameters from a specjax checkpoint's flat names, piece by piece (top-level
     arrays, then each layer), shapes checked against the config before conversion to `dtype`
     (None: as stored). Names are checked before any tensor is read."""
@@ -434,7 +454,7 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
             shutil.copy2(Path(src) / name, Path(dst) / name)
 
 
-def _atomic_dir(out_dir: Path):
+def atomic_dir(out_dir: Path):
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
@@ -443,7 +463,7 @@ def _atomic_dir(out_dir: Path):
     return tmp
 
 
-def _finish_dir(tmp: Path, out_dir: Path):
+def finish_dir(tmp: Path, out_dir: Path):
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
@@ -454,45 +474,56 @@ def _max_tensors(config: ModelConfig) -> int:
     return 3 + config.num_layers * sum(len(parts) for parts in _LAYER_KEYS.values())
 
 
-def _save_model_dir(out_dir: Path, params, config: ModelConfig, hf_config: dict | None,
-                    tokenizer_dir: Path | None, named, metadata: dict | None,
-                    format_marker: bool) -> Path:
+def _save_model_dir(
+    out_dir: Path,
+    params,
+    config: ModelConfig,
+    hf_config: dict | None,
+    tokenizer_dir: Path | None,
+    named,
+    metadata: dict | None,
+    format_marker: bool,
+) -> Path:
     """Write a model directory (atomically: a crash leaves no half checkpoint) from `params`, a
     pytree or (key, value) pieces (`param_pieces`), each piece written as `named` names it."""
     out_dir = Path(out_dir)
     pieces = param_items(params) if isinstance(params, dict) else params
-    tmp = _atomic_dir(out_dir)
+    tmp = atomic_dir(out_dir)
     try:
-        write_safetensors(tmp / WEIGHTS_FILE, (item for key, value in pieces
-                                               for item in named(key, value)),
-                          _max_tensors(config), metadata)
+        write_safetensors(
+            tmp / WEIGHTS_FILE,
+            (item for key, value in pieces for item in named(key, value)),
+            _max_tensors(config),
+            metadata,
+        )
     except BaseException:  # pieces are read while writing: a bad tensor leaves no directory
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     (tmp / "config.json").write_text(json.dumps(hf_config or config.to_hf(), indent=2))
     if format_marker:
-        (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION,
-                                                      "kind": "model"}))
+        (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION, "kind": "model"}))
     if tokenizer_dir is not None:
         copy_tokenizer_files(Path(tokenizer_dir), tmp)
-    _finish_dir(tmp, out_dir)
+    finish_dir(tmp, out_dir)
     return out_dir
 
 
-def save_specjax(out_dir: Path, params, config: ModelConfig, hf_config: dict | None = None,
-                 tokenizer_dir: Path | None = None) -> Path:
+def save_specjax(
+    out_dir: Path, params, config: ModelConfig, hf_config: dict | None = None, tokenizer_dir: Path | None = None
+) -> Path:
     """Write a specjax checkpoint from a parameter pytree or (key, value) pieces."""
-    return _save_model_dir(out_dir, params, config, hf_config, tokenizer_dir, _flat_named,
-                           None, format_marker=True)
+    return _save_model_dir(out_dir, params, config, hf_config, tokenizer_dir, _flat_named, None, format_marker=True)
 
 
-def save_hf(out_dir: Path, params, config: ModelConfig, hf_config: dict | None = None,
-            tokenizer_dir: Path | None = None) -> Path:
+def save_hf(
+    out_dir: Path, params, config: ModelConfig, hf_config: dict | None = None, tokenizer_dir: Path | None = None
+) -> Path:
     """Write a Hugging Face model directory (config.json + model.safetensors + tokenizer) from a
     parameter pytree or (key, value) pieces."""
-    named = lambda key, value: _hf_named(key, value, config)  # noqa: E731
-    return _save_model_dir(out_dir, params, config, hf_config, tokenizer_dir, named,
-                           {"format": "pt"}, format_marker=False)
+    named = lambda key, value: _hf_named(key, value, config)
+    return _save_model_dir(
+        out_dir, params, config, hf_config, tokenizer_dir, named, {"format": "pt"}, format_marker=False
+    )
 
 
 def is_specjax_checkpoint(path: Path) -> bool:
@@ -514,8 +545,7 @@ def read_config(path: Path) -> tuple[ModelConfig, dict]:
     return config, hf_config
 
 
-def param_pieces(path: Path, config: ModelConfig, dtype=np.float32
-                 ) -> Iterator[tuple[str | int, object]]:
+def param_pieces(path: Path, config: ModelConfig, dtype=np.float32) -> Iterator[tuple[str | int, object]]:
     """A checkpoint's parameters as (key, value) pieces (`hf_param_pieces`), each converted to
     `dtype` (None: as stored) when it is asked for. The file pages a piece was read from are
     dropped when the next one is asked for, so a consumer that places or writes each piece

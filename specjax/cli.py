@@ -1,4 +1,5 @@
-"""The `specjax` command: generate, convert.
+"""The `specjax` command: generate, serve, bench, convert, and (from specjax.training) train and
+synthesize-prompts.
 
 Errors print one line on stderr and exit non-zero; `--debug` shows the traceback instead.
 """
@@ -11,9 +12,8 @@ import os
 import sys
 
 from specjax import settings
-from specjax.method_configs import (METHODS, MethodError, add_option_flags, as_flags, given_options,
-                                    method_config)
-from specjax.prompts import encode_prompt, read_prompt_file  # noqa: F401  (encode_prompt: public here)
+from specjax.method_configs import METHODS, MethodError, add_option_flags, as_flags, given_options, method_config
+from specjax.prompts import encode_prompt, read_prompt_file
 
 
 class UsageError(ValueError):
@@ -57,14 +57,17 @@ def _add_generate(sub):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_option_flags(p)
-    par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through "
-                               "jax.distributed)")
-    par.add_argument("--tp", type=int, default=1,
-                     help="tensor parallel: devices each layer is split over (divides KV heads)")
-    par.add_argument("--dp", type=int, default=1,
-                     help="data parallel: device groups the batch is split over")
-    par.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                     help="multi-host: address of process 0 (run the same command on every host)")
+    par = p.add_argument_group("parallelism (mesh of tp x dp devices; multi-host through jax.distributed)")
+    par.add_argument(
+        "--tp", type=int, default=1, help="tensor parallel: devices each layer is split over (divides KV heads)"
+    )
+    par.add_argument("--dp", type=int, default=1, help="data parallel: device groups the batch is split over")
+    par.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="multi-host: address of process 0 (run the same command on every host)",
+    )
     par.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
     par.add_argument("--process-id", type=int, default=None, help="multi-host: this process's id")
 
@@ -73,8 +76,12 @@ def _add_convert(sub):
     p = sub.add_parser("convert", help="convert a checkpoint (HF dir, GGUF, specjax) to specjax or HF")
     p.add_argument("src", help="Hugging Face model dir, .gguf file, specjax checkpoint or embedded name")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--to", choices=("specjax", "hf"), default=None,
-                   help="output format (default: specjax, or hf when SRC is a specjax checkpoint)")
+    p.add_argument(
+        "--to",
+        choices=("specjax", "hf"),
+        default=None,
+        help="output format (default: specjax, or hf when SRC is a specjax checkpoint)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -132,8 +139,10 @@ def _parallel_mesh(args):
         import jax
 
         if args.tp * args.dp != jax.device_count():
-            raise UsageError(f"multi-host: --tp x --dp must span all {jax.device_count()} devices "
-                             f"of the {args.num_processes} processes, got {args.tp * args.dp}")
+            raise UsageError(
+                f"multi-host: --tp x --dp must span all {jax.device_count()} devices "
+                f"of the {args.num_processes} processes, got {args.tp * args.dp}"
+            )
     return sharding.make_mesh(args.tp, args.dp)
 
 
@@ -151,16 +160,14 @@ def cmd_generate(args) -> int:
     proposer, proposer_params = make_proposer(config, model)
     tok = model.tokenizer
     encoded = [encode_prompt(tok, t, args.raw) for t in texts]
-    batches = [list(range(i, min(i + args.batch_size, len(texts))))
-               for i in range(0, len(texts), args.batch_size)]
+    batches = [list(range(i, min(i + args.batch_size, len(texts)))) for i in range(0, len(texts), args.batch_size)]
     longest = max(len(e) for e in encoded) + args.max_new_tokens + scratch_slots(proposer)
     if args.cache_pages is None:
         per_seq = -(-bucket(longest) // args.page_size)
         pages = 2 * (args.batch_size + args.dp - 1) * per_seq  # batches pad to a multiple of dp
     else:
         pages = args.cache_pages
-    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size,
-                    mesh=mesh)
+    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size, mesh=mesh)
     quiet = mesh is not None and _process_index() != 0
     sampling = _sampling_of(args)
     for batch in batches:
@@ -175,9 +182,14 @@ def cmd_generate(args) -> int:
             text = tok.decode(ids, skip_special_tokens=True)
             steps = out.steps[j]
             rec = {
-                "prompt": texts[i], "text": text, "token_ids": ids, "new_tokens": len(ids),
-                "steps": steps, "mean_accepted": len(ids) / steps if steps else 0.0,
-                "seconds": out.seconds, "tokens_per_s": len(ids) / out.seconds if out.seconds else 0.0,
+                "prompt": texts[i],
+                "text": text,
+                "token_ids": ids,
+                "new_tokens": len(ids),
+                "steps": steps,
+                "mean_accepted": len(ids) / steps if steps else 0.0,
+                "seconds": out.seconds,
+                "tokens_per_s": len(ids) / out.seconds if out.seconds else 0.0,
             }
             if quiet:  # multi-host: the process of the mesh's first device prints
                 continue
@@ -185,8 +197,9 @@ def cmd_generate(args) -> int:
                 print(json.dumps(rec, ensure_ascii=False), flush=True)
             else:
                 print(text, flush=True)
-                print(f"[{len(ids)} tokens, {steps} steps, {rec['tokens_per_s']:.1f} tok/s]",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{len(ids)} tokens, {steps} steps, {rec['tokens_per_s']:.1f} tok/s]", file=sys.stderr, flush=True
+                )
     return 0
 
 
@@ -205,32 +218,43 @@ def cmd_convert(args) -> int:
 
 
 def _add_serve(sub):
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, "
-                                     "any method)")
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, any method)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
     p.add_argument("--method", default="vanilla", help=f"decoding method ({', '.join(METHODS)})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting for a slot before new ones get HTTP 429")
-    p.add_argument("--sync-steps", type=int, default=4,
-                   help="decoding steps between two looks at the queue and the streams")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens a request prefills per round between decoding steps, so "
-                        "a long prompt does not stall the running ones (0: whole prompts)")
-    p.add_argument("--cache-pages", type=int, default=None,
-                   help="KV pages in the pool (default: max-batch full contexts of 2048 tokens)")
+    p.add_argument(
+        "--max-queue", type=int, default=256, help="requests waiting for a slot before new ones get HTTP 429"
+    )
+    p.add_argument(
+        "--sync-steps", type=int, default=4, help="decoding steps between two looks at the queue and the streams"
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prompt tokens a request prefills per round between decoding steps, so "
+        "a long prompt does not stall the running ones (0: whole prompts)",
+    )
+    p.add_argument(
+        "--cache-pages",
+        type=int,
+        default=None,
+        help="KV pages in the pool (default: max-batch full contexts of 2048 tokens)",
+    )
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API "
-                                                             "(default: --model)")
-    p.add_argument("--fixed-speculation", action="store_true",
-                   help="verify the method's whole trees every step (default: as many nodes as "
-                        "pay for the batch running, measured while serving)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor parallel: devices each layer is split over (divides KV heads)")
-    p.add_argument("--dp", type=int, default=1,
-                   help="data parallel: device groups the batch's rows are split over")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    p.add_argument(
+        "--fixed-speculation",
+        action="store_true",
+        help="verify the method's whole trees every step (default: as many nodes as "
+        "pay for the batch running, measured while serving)",
+    )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor parallel: devices each layer is split over (divides KV heads)"
+    )
+    p.add_argument("--dp", type=int, default=1, help="data parallel: device groups the batch's rows are split over")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_option_flags(p)
 
@@ -250,8 +274,7 @@ def cmd_serve(args) -> int:
 
         from specjax.serving.server import create_app
     except ImportError as e:
-        raise UsageError(f"specjax serve needs the serve extra (pip install 'specjax[serve]'): "
-                         f"{e}") from None
+        raise UsageError(f"specjax serve needs the serve extra (pip install 'specjax[serve]'): {e}") from None
     from specjax.generate import Engine
     from specjax.loading import load_model
     from specjax.methods import make_proposer
@@ -263,15 +286,21 @@ def cmd_serve(args) -> int:
     proposer, pparams = make_proposer(config, model)
     context = min(2048, model.config.max_position_embeddings)
     pages = args.cache_pages or args.max_batch * -(-context // args.page_size) + 8
-    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size,
-                    mesh=mesh)
-    scheduler = Scheduler(engine, proposer, pparams, max_batch=args.max_batch,
-                          max_queue=args.max_queue, sync_steps=args.sync_steps,
-                          prefill_chunk=args.prefill_chunk or None,
-                          budget=not args.fixed_speculation)
+    engine = Engine(model.params, model.config, num_pages=pages, page_size=args.page_size, mesh=mesh)
+    scheduler = Scheduler(
+        engine,
+        proposer,
+        pparams,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        sync_steps=args.sync_steps,
+        prefill_chunk=args.prefill_chunk or None,
+        budget=not args.fixed_speculation,
+    )
     app = create_app(scheduler, model.tokenizer, args.served_model_name or args.model)
-    print(f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
+    print(
+        f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -279,18 +308,25 @@ def cmd_serve(args) -> int:
 def _add_bench(sub):
     p = sub.add_parser("bench", help="benchmark decoding methods per prompt category (Spec-Bench style)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
-    p.add_argument("--methods", default="vanilla,pld,draft",
-                   help="comma-separated METHOD[:key=value...] (make_proposer options), e.g. "
-                        "'vanilla,pld:min_matching_ngram_size=2,eagle2:eagle_total_tokens=16'")
+    p.add_argument(
+        "--methods",
+        default="vanilla,pld,draft",
+        help="comma-separated METHOD[:key=value...] (make_proposer options), e.g. "
+        "'vanilla,pld:min_matching_ngram_size=2,eagle2:eagle_total_tokens=16'",
+    )
     p.add_argument("--prompts", required=True, help="JSONL with 'turns' or 'prompt', and 'category'")
     p.add_argument("--categories", nargs="+", default=None, help="categories to run (default all)")
     p.add_argument("--limit", type=int, default=None, help="prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--peers", default="", help="'hf': transformers generate (vanilla, prompt "
-                                               "lookup, assisted) on the same weights")
-    p.add_argument("--heads-dir", default=None,
-                   help="folder with medusa/, eagle/, eagle3/, redrafter/ head checkpoints "
-                        "(default: the embedded model's shipped heads)")
+    p.add_argument(
+        "--peers", default="", help="'hf': transformers generate (vanilla, prompt lookup, assisted) on the same weights"
+    )
+    p.add_argument(
+        "--heads-dir",
+        default=None,
+        help="folder with medusa/, eagle/, eagle3/, redrafter/ head checkpoints "
+        "(default: the embedded model's shipped heads)",
+    )
     _add_sampling_args(p)
     p.add_argument("--out", required=True, help="output folder (re-running it resumes)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -305,10 +341,19 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = _sampling_of(args)
     peers = [p for p in args.peers.split(",") if p]
-    result = run_bench(args.model, [m for m in args.methods.split(",") if m], args.prompts,
-                       args.out, categories=args.categories, limit=args.limit,
-                       max_new_tokens=args.max_new_tokens, peers=peers, heads_dir=args.heads_dir,
-                       sampling=sampling, seed=args.seed)
+    result = run_bench(
+        args.model,
+        [m for m in args.methods.split(",") if m],
+        args.prompts,
+        args.out,
+        categories=args.categories,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        peers=peers,
+        heads_dir=args.heads_dir,
+        sampling=sampling,
+        seed=args.seed,
+    )
     from specjax.bench import markdown_table
 
     print(markdown_table(result["rows"]))
@@ -323,14 +368,20 @@ def main(argv=None) -> int:
     _add_convert(sub)
     _add_bench(sub)
     _add_serve(sub)
-    from specjax.training.cli import add_synthesize_parser, add_train_parser, run_synthesize, run_train
+    from specjax.training.command import add_synthesize_parser, add_train_parser, run_synthesize, run_train
+
     add_train_parser(sub)
     add_synthesize_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench,
-                "serve": cmd_serve, "train": run_train,
-                "synthesize-prompts": run_synthesize}[args.command](args)
+        return {
+            "generate": cmd_generate,
+            "convert": cmd_convert,
+            "bench": cmd_bench,
+            "serve": cmd_serve,
+            "train": run_train,
+            "synthesize-prompts": run_synthesize,
+        }[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

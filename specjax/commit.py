@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from specjax.kernels_pallas import write_paged_kv
 from specjax.cache import PagedKVCache
+from specjax.kernels_pallas import write_paged_kv
 
 
 def _read_slots(pages, block_tables, slots):
@@ -18,8 +18,7 @@ def _read_slots(pages, block_tables, slots):
     return jnp.moveaxis(rows, 0, 2)
 
 
-def commit(cache: PagedKVCache, path, n_accepted, active, *, is_chain: bool = False,
-           new_kv=None) -> PagedKVCache:
+def commit(cache: PagedKVCache, path, n_accepted, active, *, is_chain: bool = False, new_kv=None) -> PagedKVCache:
     """Advance each active sequence by its root plus n_accepted nodes.
 
     The node at depth d of the accepted path moves from scratch slot lengths + path[d] to slot

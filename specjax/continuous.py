@@ -21,7 +21,7 @@ from specjax.cache import CacheFullError
 from specjax.sampling import SamplingConfig
 
 # the most prompt tokens a slot prefills per pass (longer prompts take several passes)
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 64
 
 
 @dataclasses.dataclass
@@ -34,11 +34,19 @@ class FinishedSequence:
     steps: int  # target passes the sequence took part in
 
 
-def generate_continuous(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, *,
-                        slots: int = 32, refill: int | None = None,
-                        sampling: SamplingConfig = SamplingConfig(),
-                        seeds: Sequence[int] | int = 0, eos_token_ids: Sequence[int] | None = None,
-                        proposer=None, proposer_params=None) -> Iterator[FinishedSequence]:
+def generate_continuous(
+    engine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    *,
+    slots: int = 32,
+    refill: int | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    seeds: Sequence[int] | int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    proposer=None,
+    proposer_params=None,
+) -> Iterator[FinishedSequence]:
     """Answers of `prompts` through `engine`, `slots` sequences at a time, in finishing order.
 
     refill: finished slots that send the loop back to the host for new prompts (default
@@ -64,13 +72,22 @@ def generate_continuous(engine, prompts: Sequence[Sequence[int]], max_new_tokens
     dp = 1 if engine.mesh is None else engine.mesh.shape["data"]
     b = -(-min(slots, n) // dp) * dp
     refill = max(1, b // 8) if refill is None else max(1, min(refill, b))
-    scheduler = Scheduler(engine, proposer, proposer_params, max_batch=b, max_queue=n,
-                          sync_steps=max_new_tokens, admit_group=-(-refill // dp) * dp,
-                          prefill_chunk=PREFILL_CHUNK, eos_token_ids=eos_token_ids, budget=False,
-                          refill=refill, fill_slots=True, fit_tables=True)
+    scheduler = Scheduler(
+        engine,
+        proposer,
+        proposer_params,
+        max_batch=b,
+        max_queue=n,
+        sync_steps=max_new_tokens,
+        admit_group=-(-refill // dp) * dp,
+        prefill_chunk=PREFILL_CHUNK,
+        eos_token_ids=eos_token_ids,
+        budget=False,
+        refill=refill,
+        offline=True,
+    )
     try:
-        handles = [scheduler.submit(p, max_new_tokens, sampling=sampling, seed=s)
-                   for p, s in zip(prompts, seeds)]
+        handles = [scheduler.submit(p, max_new_tokens, sampling=sampling, seed=s) for p, s in zip(prompts, seeds)]
     except ValueError as e:  # a prompt that can never fit the pool
         raise CacheFullError(f"out of pages: {e}") from None
     index = {h.id: i for i, h in enumerate(handles)}

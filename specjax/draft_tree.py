@@ -53,8 +53,7 @@ def skipped_draw(paths: Sequence[Sequence[int]]) -> tuple | None:
     when every node's children are ranks 0, 1, .. with none skipped: the trees that can be drawn
     for the `recursive` rule, rank r standing for a node's r-th draw."""
     listed = {tuple(p) for p in paths}
-    return next((p for p in sorted(listed)
-                 if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in listed), None)
+    return next((p for p in sorted(listed) if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in listed), None)
 
 
 # Rules that verify trees drawn from the draft's q (a node's children: its first draws).
@@ -77,8 +76,10 @@ def check_recursive_tree(paths: Sequence[Sequence[int]]) -> None:
     """Refuse a static tree the `recursive` rule cannot verify when its nodes are drawn."""
     p = skipped_draw(paths)
     if p is not None:
-        raise ValueError(f"recursive acceptance tries a node's children in draw order: tree "
-                         f"path {list(p)} needs {list(p[:-1] + (p[-1] - 1,))} too")
+        raise ValueError(
+            f"recursive acceptance tries a node's children in draw order: tree "
+            f"path {list(p)} needs {list(p[:-1] + (p[-1] - 1,))} too"
+        )
 
 
 def on_vocabulary(logq, ids, vocab: int):
@@ -92,10 +93,13 @@ def static_draft_tree(tokens, parent, depth, valid, draft_logprobs=None) -> Draf
     """Trees of one static shape (host arrays `parent`, `depth` of `static_tree`) over tokens
     and valid [B, T]; invalid nodes hold token 0."""
     b, t = tokens.shape
-    return DraftTree(tokens=jnp.where(valid, tokens, 0).astype(jnp.int32),
-                     parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
-                     depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)), valid=valid,
-                     draft_logprobs=draft_logprobs)
+    return DraftTree(
+        tokens=jnp.where(valid, tokens, 0).astype(jnp.int32),
+        parent=jnp.broadcast_to(jnp.asarray(parent), (b, t)),
+        depth=jnp.broadcast_to(jnp.asarray(depth), (b, t)),
+        valid=valid,
+        draft_logprobs=draft_logprobs,
+    )
 
 
 def drawn_static_tree(pending, parent, depth, tokens, drawn, draft_logprobs) -> DraftTree:
@@ -109,8 +113,12 @@ def drawn_static_tree(pending, parent, depth, tokens, drawn, draft_logprobs) -> 
         nodes = np.flatnonzero(depth == d)
         valid = valid.at[:, nodes].set(valid[:, nodes] & valid[:, parent[nodes]])
     return static_draft_tree(
-        jnp.concatenate([pending[:, None], tokens], axis=1), parent, depth, valid,
-        jnp.concatenate([jnp.zeros_like(draft_logprobs[:, :1]), draft_logprobs], axis=1))
+        jnp.concatenate([pending[:, None], tokens], axis=1),
+        parent,
+        depth,
+        valid,
+        jnp.concatenate([jnp.zeros_like(draft_logprobs[:, :1]), draft_logprobs], axis=1),
+    )
 
 
 def chain(pending, drafts, num_valid, draft_logprobs=None) -> DraftTree:
@@ -124,9 +132,13 @@ def chain(pending, drafts, num_valid, draft_logprobs=None) -> DraftTree:
     tokens = jnp.where(valid, tokens, 0)
     if draft_logprobs is not None:  # node 0 was not drafted: give it a dummy row
         draft_logprobs = jnp.concatenate([jnp.zeros_like(draft_logprobs[:, :1]), draft_logprobs], 1)
-    return DraftTree(tokens=tokens, parent=jnp.broadcast_to(idx - 1, (b, t)),
-                     depth=jnp.broadcast_to(idx, (b, t)), valid=valid,
-                     draft_logprobs=draft_logprobs)
+    return DraftTree(
+        tokens=tokens,
+        parent=jnp.broadcast_to(idx - 1, (b, t)),
+        depth=jnp.broadcast_to(idx, (b, t)),
+        valid=valid,
+        draft_logprobs=draft_logprobs,
+    )
 
 
 def ancestor_mask(tree: DraftTree):

@@ -1,10 +1,5 @@
-"""Batched generation: ragged prefill through the paged cache, then one jitted decode loop.
-
-Convention shared with speculative decoding (docs/design.md, "The paged KV cache"): the cache
-holds the K/V of tokens[:, :length-1]; the last token, tokens[length-1], is pending and is the
-first token the next target pass reads. Prefill therefore writes prompt[:-1] and computes no
-logits.
-"""
+"""`Engine`: batched generation over a paged KV cache it owns, vanilla or speculative, on one
+device or a mesh (the jitted pieces are in `specjax.decoding` and `specjax.spec_decode`)."""
 
 from __future__ import annotations
 
@@ -17,88 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import attention_mesh
+from specjax.batching import DecodeState, GenerationError, bucket, seed_list
 from specjax.cache import PageAllocator, PagedKVCache, block_table_array, init_pages, pages_needed
-from specjax.config import ModelConfig
-from specjax.model import causal_mask, forward
-from specjax.sampling import SamplingConfig, sample_tokens
-from specjax.sharding import (pinning, put_batch, put_replicated, shard_params, shard_proposer_params,
-                              sharded_init, to_host)
-from specjax.batching import (DecodeState, GenerationError, append_until_stop,  # noqa: F401  (API)
-                               bucket, seed_list)
+from specjax.decoding import decode_loop, decode_step, host_array, keep_decoding, prefill  # noqa: F401 (public here)
+from specjax.model_config import ModelConfig
+from specjax.sampling import SamplingConfig
+from specjax.sharding import (
+    put_batch,
+    put_replicated,
+    shard_params,
+    shard_proposer_params,
+    sharded_init,
+)
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_loop
-
-
-@functools.partial(jax.jit, static_argnames=("config", "feature_layers", "mesh"),
-                   donate_argnames=("cache",))
-def prefill(params, config: ModelConfig, cache: PagedKVCache, tokens, num_tokens,
-            feature_layers: tuple = (), mesh=None):
-    """Write the K/V of tokens[b, :num_tokens[b]] after each sequence's committed prefix.
-
-    Returns the cache, the features [B, F] of each sequence's last written token (the features
-    that predicted the pending token; zeros when nothing was written) and those of every token
-    [B, T, F]. Features are the final hidden state, or with `feature_layers` those layers'
-    outputs concatenated (EAGLE-3).
-    """
-    b, t = tokens.shape
-    pin = pinning(mesh, b)
-    cache = pin(cache)
-    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    valid = jnp.arange(t)[None, :] < num_tokens[:, None]
-    with attention_mesh(mesh):
-        out = forward(params, config, tokens, positions, cache, causal_mask(b, t), valid=valid,
-                      logits_at=jnp.zeros((b, 0), jnp.int32), hidden_layers=feature_layers)
-    hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
-    last = jnp.take_along_axis(hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
-    last = jnp.where((num_tokens > 0)[:, None], last[:, 0], 0)
-    return pin((out.cache.replace(lengths=cache.lengths + num_tokens), last, hidden))
-
-
-def _to_host(x):
-    """numpy copy of a result (gathered across hosts when the mesh spans several)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return to_host(x)
-    return np.asarray(x)
-
-
-def decode_step(params, config: ModelConfig, sampling: SamplingConfig, s: DecodeState,
-                max_new_tokens, eos_ids) -> DecodeState:
-    """One vanilla decoding step: every unfinished sequence appends one sampled token."""
-    b = s.tokens.shape[0]
-    rows = jnp.arange(b)
-    pending = s.tokens[rows, s.lengths - 1][:, None]
-    positions = (s.lengths - 1)[:, None]
-    out = forward(params, config, pending, positions, s.cache, jnp.ones((b, 1, 1), bool),
-                  logits_at=jnp.zeros((b, 1), jnp.int32))
-    keys = jax.vmap(jax.random.fold_in)(s.keys, s.lengths)
-    nxt = sample_tokens(out.logits[:, 0], keys, sampling)
-    active = ~s.done
-    tokens, lengths, done = append_until_stop(s, nxt[:, None], jnp.ones((b,), jnp.int32),
-                                              max_new_tokens, eos_ids)
-    cache = out.cache.replace(lengths=out.cache.lengths + active)
-    return s.replace(tokens=tokens, lengths=lengths, done=done, steps=s.steps + active,
-                     cache=cache)
-
-
-def keep_decoding(done, stop_done=None):
-    """Loop condition: some sequence unfinished (and, with stop_done, fewer than that many done)."""
-    more = jnp.any(~done)
-    return more if stop_done is None else more & (jnp.sum(done) < stop_done)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "mesh"),
-                   donate_argnames=("state",))
-def decode_loop(params, config: ModelConfig, sampling: SamplingConfig, state: DecodeState,
-                max_new_tokens, eos_ids, stop_done=None, mesh=None):
-    """Vanilla decoding of every unfinished sequence until EOS or max_new_tokens, in one loop
-    (or until `stop_done` sequences are done: continuous batching refills their slots). With a
-    `mesh` the carry stays pinned to its shardings (`sharding.pinning`)."""
-    pin = pinning(mesh, state.tokens.shape[0])
-    with attention_mesh(mesh):
-        return pin(jax.lax.while_loop(
-            lambda s: keep_decoding(s.done, stop_done),
-            lambda s: pin(decode_step(params, config, sampling, s, max_new_tokens, eos_ids)),
-            pin(state)))
 
 
 @dataclasses.dataclass
@@ -136,9 +62,11 @@ def pool_dtype(params, requested=None):
     embed = params["embed"]
     act = jnp.dtype(embed.dtype if jnp.issubdtype(embed.dtype, jnp.floating) else jnp.float32)
     if requested is not None and jnp.dtype(requested) != act:
-        raise GenerationError(f"KV pool dtype {jnp.dtype(requested).name} differs from the model's "
-                              f"activations ({act.name}): leave dtype unset or load the model in "
-                              f"{jnp.dtype(requested).name}")
+        raise GenerationError(
+            f"KV pool dtype {jnp.dtype(requested).name} differs from the model's "
+            f"activations ({act.name}): leave dtype unset or load the model in "
+            f"{jnp.dtype(requested).name}"
+        )
     return act
 
 
@@ -152,8 +80,17 @@ class Engine:
     (tensor parallel over "model", batches padded to and split over "data"); see sharding.py.
     """
 
-    def __init__(self, params, config: ModelConfig, *, num_pages: int = 512, page_size: int = 16,
-                 dtype=None, max_context: int | None = None, mesh=None):
+    def __init__(
+        self,
+        params,
+        config: ModelConfig,
+        *,
+        num_pages: int = 512,
+        page_size: int = 16,
+        dtype=None,
+        max_context: int | None = None,
+        mesh=None,
+    ):
         """dtype: the KV pools' dtype, by default the model's activations' (its embedding's):
         bfloat16 weights get bfloat16 pools, so attention runs on the tensor cores and reads half
         the bytes. A different dtype is refused (the kernel would mix precisions)."""
@@ -173,8 +110,7 @@ class Engine:
         self.dtype = dtype
         self.max_context = max_context or config.max_position_embeddings
         self.allocator = PageAllocator(num_pages, page_size)
-        self.k_pages, self.v_pages = self._init(lambda: init_pages(config, num_pages, page_size,
-                                                                   dtype))
+        self.k_pages, self.v_pages = self._init(lambda: init_pages(config, num_pages, page_size, dtype))
         self._proposer_pools: dict = {}
 
     def _init(self, make):
@@ -189,8 +125,10 @@ class Engine:
             return proposer_params
         key = (id(proposer_params), proposer)
         if key not in self._sharded_pparams:
-            self._sharded_pparams[key] = (proposer_params, shard_proposer_params(
-                proposer, proposer_params, self.mesh, self.config.vocab_size))
+            self._sharded_pparams[key] = (
+                proposer_params,
+                shard_proposer_params(proposer, proposer_params, self.mesh, self.config.vocab_size),
+            )
         return self._sharded_pparams[key][1]
 
     def _check(self, prompts, max_new_tokens):
@@ -204,15 +142,24 @@ class Engine:
             if len(p) + max_new_tokens > self.max_context:
                 raise GenerationError(
                     f"prompt of {len(p)} tokens plus max_new_tokens={max_new_tokens} exceeds the "
-                    f"model's context of {self.max_context} tokens")
+                    f"model's context of {self.max_context} tokens"
+                )
             bad = [t for t in p if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise GenerationError(f"token id {bad[0]} outside the vocabulary of {self.config.vocab_size}")
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, *,
-                 sampling: SamplingConfig = SamplingConfig(), seeds: Sequence[int] | int = 0,
-                 eos_token_ids: Sequence[int] | None = None, warmup: bool = False,
-                 proposer=None, proposer_params=None) -> GenerationOutput:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        *,
+        sampling: SamplingConfig = SamplingConfig(),
+        seeds: Sequence[int] | int = 0,
+        eos_token_ids: Sequence[int] | None = None,
+        warmup: bool = False,
+        proposer=None,
+        proposer_params=None,
+    ) -> GenerationOutput:
         """Generate for a batch of token-id prompts of any lengths.
 
         proposer / proposer_params: a drafting method and its parameters for speculative
@@ -229,13 +176,24 @@ class Engine:
         dp = 1 if self.mesh is None else self.mesh.shape["data"]
         if b % dp:  # the "data" axis splits the batch evenly: pad with copies of the last prompt
             pad = dp - b % dp
-            out = self.generate(prompts + [prompts[-1]] * pad, max_new_tokens, sampling=sampling,
-                                seeds=seeds + [seeds[-1]] * pad, eos_token_ids=eos_token_ids,
-                                warmup=warmup, proposer=proposer, proposer_params=proposer_params)
+            out = self.generate(
+                prompts + [prompts[-1]] * pad,
+                max_new_tokens,
+                sampling=sampling,
+                seeds=seeds + [seeds[-1]] * pad,
+                eos_token_ids=eos_token_ids,
+                warmup=warmup,
+                proposer=proposer,
+                proposer_params=proposer_params,
+            )
             hist = None if out.accepted_hist is None else out.accepted_hist[:b]
-            return dataclasses.replace(out, token_ids=out.token_ids[:b], steps=out.steps[:b],
-                                       finished_by_eos=out.finished_by_eos[:b],
-                                       accepted_hist=hist)
+            return dataclasses.replace(
+                out,
+                token_ids=out.token_ids[:b],
+                steps=out.steps[:b],
+                finished_by_eos=out.finished_by_eos[:b],
+                accepted_hist=hist,
+            )
         proposer_params = self._sharded(proposer, proposer_params)
         lens = [len(p) for p in prompts]
         scratch = scratch_slots(proposer)
@@ -254,8 +212,21 @@ class Engine:
                 allocator.free(pages)
             raise
         try:
-            return self._run(prompts, lens, cached, page_lists, max_new_tokens, sampling, seeds,
-                             eos, t0, warmup, proposer, proposer_params, scratch)
+            return self._run(
+                prompts,
+                lens,
+                cached,
+                page_lists,
+                max_new_tokens,
+                sampling,
+                seeds,
+                eos,
+                t0,
+                warmup,
+                proposer,
+                proposer_params,
+                scratch,
+            )
         except BaseException:
             if self.k_pages is None:  # the pools were donated to a call that failed: start afresh
                 self._reset_pools()
@@ -264,8 +235,7 @@ class Engine:
             for pages in page_lists:
                 allocator.free(pages)
 
-    def generate_continuous(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
-                            **options):
+    def generate_continuous(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, **options):
         """Answers of many prompts with continuous batching on the serving scheduler, yielded
         as each finishes (`FinishedSequence`); options: slots, refill, sampling, seeds,
         eos_token_ids, proposer, proposer_params. See `specjax.continuous`."""
@@ -277,18 +247,32 @@ class Engine:
         """Fresh zeroed pools and an empty prefix cache (the old contents are gone)."""
         num_pages = self.allocator.num_pages
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self.k_pages, self.v_pages = self._init(
-            lambda: init_pages(self.config, num_pages, self.page_size, self.dtype))
+        self.k_pages, self.v_pages = self._init(lambda: init_pages(self.config, num_pages, self.page_size, self.dtype))
         self._proposer_pools.clear()
 
     def _pools_for(self, proposer):
         if proposer not in self._proposer_pools:
-            self._proposer_pools[proposer] = self._init(lambda: proposer.make_pools(
-                self.allocator.num_pages, self.page_size, self.dtype))
+            self._proposer_pools[proposer] = self._init(
+                lambda: proposer.make_pools(self.allocator.num_pages, self.page_size, self.dtype)
+            )
         return self._proposer_pools.pop(proposer)
 
-    def _run(self, prompts, lens, cached, page_lists, max_new_tokens, sampling, seeds, eos, t0,
-             warmup, proposer, proposer_params, scratch):
+    def _run(
+        self,
+        prompts,
+        lens,
+        cached,
+        page_lists,
+        max_new_tokens,
+        sampling,
+        seeds,
+        eos,
+        t0,
+        warmup,
+        proposer,
+        proposer_params,
+        scratch,
+    ):
         b = len(prompts)
         prefill, decode_loop, spec_loop, init_proposer = self._fns
         put, put1 = self._put_batch, self._put_replicated
@@ -296,20 +280,25 @@ class Engine:
         table = put(block_table_array(page_lists, pages_per_seq, self.allocator.num_pages))
         cache = PagedKVCache(self.k_pages, self.v_pages, table, put(np.asarray(cached, np.int32)))
         self.k_pages = self.v_pages = None  # donated below; restored from the loop's result
-        chunk = [p[c:n - 1] for p, c, n in zip(prompts, cached, lens)]
+        chunk = [p[c : n - 1] for p, c, n in zip(prompts, cached, lens)]
         width = bucket(max(len(c) for c in chunk))
         chunk_arr = np.zeros((b, width), np.int32)
         for i, c in enumerate(chunk):
-            chunk_arr[i, :len(c)] = c
-        cache, features, chunk_hidden = prefill(self.params, self.config, cache, put(chunk_arr),
-                                                put(np.asarray([len(c) for c in chunk], np.int32)),
-                                                () if proposer is None else tuple(proposer.feature_layers))
+            chunk_arr[i, : len(c)] = c
+        cache, features, chunk_hidden = prefill(
+            self.params,
+            self.config,
+            cache,
+            put(chunk_arr),
+            put(np.asarray([len(c) for c in chunk], np.int32)),
+            () if proposer is None else tuple(proposer.feature_layers),
+        )
         if not warmup:
             for pages, p, n in zip(page_lists, prompts, lens):
-                self.allocator.register_prefix(pages, p[:n - 1])
+                self.allocator.register_prefix(pages, p[: n - 1])
         buf = np.zeros((b, pages_per_seq * self.page_size + 1), np.int32)
         for i, p in enumerate(prompts):
-            buf[i, :len(p)] = p
+            buf[i, : len(p)] = p
         tokens = put(buf)
         lengths = put(np.asarray(lens, np.int32))
         keys = put(np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds))))
@@ -321,33 +310,52 @@ class Engine:
         if proposer is None:
             jax.block_until_ready(cache)
             prefill_seconds = time.perf_counter() - t0
-            state = DecodeState(tokens=tokens, lengths=lengths, prompt_lengths=lengths + 0, done=done,
-                                steps=steps, keys=keys, cache=cache)
+            state = DecodeState(
+                tokens=tokens,
+                lengths=lengths,
+                prompt_lengths=lengths + 0,
+                done=done,
+                steps=steps,
+                keys=keys,
+                cache=cache,
+            )
             state = decode_loop(self.params, self.config, sampling, state, limit, eos_arr)
         else:
             prompt_width = bucket(max(lens) - 1)
             prompt_chunk = np.zeros((b, prompt_width), np.int32)
             for i, p in enumerate(prompts):
-                prompt_chunk[i, :len(p) - 1] = p[:-1]
-            ctx = SpecContext(tokens, lengths, cache.block_tables, features,
-                              prompt_hidden=chunk_hidden)
-            pstate = init_proposer(proposer, proposer_params, self._pools_for(proposer), ctx,
-                                   put(prompt_chunk), put(np.asarray(lens, np.int32) - 1))
+                prompt_chunk[i, : len(p) - 1] = p[:-1]
+            ctx = SpecContext(tokens, lengths, cache.block_tables, features, prompt_hidden=chunk_hidden)
+            pstate = init_proposer(
+                proposer,
+                proposer_params,
+                self._pools_for(proposer),
+                ctx,
+                put(prompt_chunk),
+                put(np.asarray(lens, np.int32) - 1),
+            )
             jax.block_until_ready((cache, pstate))
             prefill_seconds = time.perf_counter() - t0
-            state = SpecState(tokens=tokens, lengths=lengths, prompt_lengths=lengths + 0, done=done,
-                              steps=steps, keys=keys, cache=cache, features=features,
-                              proposer_state=pstate,
-                              accepted_hist=put(np.zeros((b, proposer.tree_size), np.int32)))
-            state = spec_loop(self.params, self.config, proposer, proposer_params, sampling, state,
-                              limit, eos_arr)
+            state = SpecState(
+                tokens=tokens,
+                lengths=lengths,
+                prompt_lengths=lengths + 0,
+                done=done,
+                steps=steps,
+                keys=keys,
+                cache=cache,
+                features=features,
+                proposer_state=pstate,
+                accepted_hist=put(np.zeros((b, proposer.tree_size), np.int32)),
+            )
+            state = spec_loop(self.params, self.config, proposer, proposer_params, sampling, state, limit, eos_arr)
             self._proposer_pools[proposer] = proposer.pools_of(state.proposer_state)
-            hist = _to_host(state.accepted_hist).tolist()
+            hist = host_array(state.accepted_hist).tolist()
         self.k_pages, self.v_pages = state.cache.k_pages, state.cache.v_pages
-        tokens, lengths, steps = (_to_host(x) for x in (state.tokens, state.lengths, state.steps))
+        tokens, lengths, steps = (host_array(x) for x in (state.tokens, state.lengths, state.steps))
         seconds = time.perf_counter() - t0
-        out = [tokens[i, n:lengths[i]].tolist() for i, n in enumerate(lens)]
+        out = [tokens[i, n : lengths[i]].tolist() for i, n in enumerate(lens)]
         eos_set = set(eos)
-        return GenerationOutput(out, steps.tolist(), seconds,
-                                [bool(o) and o[-1] in eos_set for o in out], prefill_seconds,
-                                hist)
+        return GenerationOutput(
+            out, steps.tolist(), seconds, [bool(o) and o[-1] in eos_set for o in out], prefill_seconds, hist
+        )

@@ -12,10 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from specjax.checkpoint import (CheckpointError, FORMAT_FILE, FORMAT_VERSION, LINEAR_KEYS,
-                                _atomic_dir, _finish_dir, _read_safetensors, read_json,
-                                release_read)
-from specjax.config import ModelConfig
+from specjax.checkpoint import (
+    FORMAT_FILE,
+    FORMAT_VERSION,
+    LINEAR_KEYS,
+    CheckpointError,
+    atomic_dir,
+    finish_dir,
+    read_json,
+    read_safetensors,
+    release_read,
+)
+from specjax.model_config import ModelConfig
 
 HEADS_FILE = "heads.safetensors"
 
@@ -25,12 +33,13 @@ def save_heads(out_dir, kind: str, variables: dict, meta: dict) -> Path:
     from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
+    tmp = atomic_dir(out_dir)
     flat = {"/".join(k): np.asarray(v) for k, v in flatten_dict(variables).items()}
     save_file(flat, str(tmp / HEADS_FILE))
-    (tmp / FORMAT_FILE).write_text(json.dumps({"format": "specjax", "version": FORMAT_VERSION,
-                                               "kind": kind, **meta}, indent=2))
-    _finish_dir(tmp, out_dir)
+    (tmp / FORMAT_FILE).write_text(
+        json.dumps({"format": "specjax", "version": FORMAT_VERSION, "kind": kind, **meta}, indent=2)
+    )
+    finish_dir(tmp, out_dir)
     return out_dir
 
 
@@ -46,7 +55,7 @@ def load_heads(path, kind: str | None = None) -> tuple[dict, dict]:
         raise CheckpointError(f"{path} holds {meta['kind']} heads, not {kind} heads")
     if not (path / HEADS_FILE).exists():
         raise CheckpointError(f"missing weights file {path / HEADS_FILE}")
-    tensors = _read_safetensors(path / HEADS_FILE)
+    tensors = read_safetensors(path / HEADS_FILE)
     transpose = int(meta.get("version", 1)) < 2  # draft layers stored [in, out] (checkpoint.py)
     flat = {}
     for name in tensors:  # one tensor on the host at a time
@@ -62,5 +71,4 @@ def check_compatible(meta: dict, config: ModelConfig, path) -> None:
     """Heads trained for another hidden size or vocabulary are refused by name."""
     for key, want in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size)):
         if key in meta and int(meta[key]) != want:
-            raise CheckpointError(
-                f"head checkpoint {path} has {key} {meta[key]}, the model has {want}")
+            raise CheckpointError(f"head checkpoint {path} has {key} {meta[key]}, the model has {want}")

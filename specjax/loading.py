@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.checkpoint import CheckpointError, assemble_params, param_pieces, read_config
-from specjax.config import ModelConfig
+from specjax.model_config import ModelConfig
 
 
 @dataclasses.dataclass
@@ -62,20 +62,21 @@ def _tokenizer_class(path: Path):
 
 
 def default_dtype():
-    """float32 on CPU (XLA:CPU bfloat16 dots are ~10x slower), bfloat16 on accelerators."""
+    """float32 on CPU (XLA:CPU's bfloat16 dots are far slower), bfloat16 on accelerators."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
 def resolve_model_path(name_or_path: str) -> Path:
     """A checkpoint directory for an embedded name, a directory, or a GGUF file."""
-    from specjax.convert.registry import is_embedded, resolve_embedded, cache_dir
+    from specjax.convert.registry import cache_dir, is_embedded, resolve_embedded
 
     if is_embedded(name_or_path):
         return resolve_embedded(name_or_path)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise CheckpointError(
-            f"unknown model '{name_or_path}': not an embedded model name (smollm2-135m) nor an existing path")
+            f"unknown model '{name_or_path}': not an embedded model name (smollm2-135m) nor an existing path"
+        )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(f"not a checkpoint: {path} (expected a directory or a .gguf file)")
@@ -110,8 +111,7 @@ def _placer(config: ModelConfig, mesh, pack: bool):
     return lambda key, value: jax.block_until_ready(put(key, value))
 
 
-def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None,
-               pack: bool = True) -> Model:
+def load_model(name_or_path: str = "smollm2-135m", dtype=None, mesh=None, pack: bool = True) -> Model:
     """Load a model by embedded name, checkpoint directory (specjax or Hugging Face) or GGUF file.
 
     The weights stream from the file: each piece (the embedding, a layer, the norm, the head) is

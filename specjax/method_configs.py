@@ -55,8 +55,7 @@ def parse_lookahead(text) -> tuple[int, int, int]:
         w, n, g = (int(x) for x in (text.split(",") if isinstance(text, str) else text))
     except (TypeError, ValueError):
         raise MethodError(f"`lookahead` takes W,N,G (three integers, e.g. 7,5,7), got '{text}'") from None
-    for name, value, low in (("window size W", w, 1), ("n-gram size N", n, 2),
-                             ("verification set size G", g, 1)):
+    for name, value, low in (("window size W", w, 1), ("n-gram size N", n, 2), ("verification set size G", g, 1)):
         if value < low:
             raise MethodError(f"`lookahead` {name} must be >= {low}, got {value}")
     return w, n, g
@@ -68,8 +67,11 @@ def _parse_paths(text, name: str):
         paths = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError:
         raise MethodError(f"`{name}` is not valid JSON (e.g. '[[0], [0, 0], [1]]')") from None
-    if not (isinstance(paths, (list, tuple)) and paths and all(
-            isinstance(c, (list, tuple)) and all(isinstance(r, int) for r in c) for c in paths)):
+    if not (
+        isinstance(paths, (list, tuple))
+        and paths
+        and all(isinstance(c, (list, tuple)) and all(isinstance(r, int) for r in c) for c in paths)
+    ):
         raise MethodError(f"`{name}` must be a JSON list of lists of integer ranks")
     return [list(c) for c in paths]
 
@@ -81,8 +83,9 @@ def parse_medusa_choices(text):
     if isinstance(text, str) and text.strip().lower() in MEDUSA_TREES:
         return text.strip().lower()
     if isinstance(text, str) and not text.strip().startswith("["):
-        raise MethodError(f"unknown medusa_choices '{text}' (a named tree: {', '.join(MEDUSA_TREES)}, "
-                          "or a list of paths)")
+        raise MethodError(
+            f"unknown medusa_choices '{text}' (a named tree: {', '.join(MEDUSA_TREES)}, or a list of paths)"
+        )
     return _parse_paths(text, "medusa_choices")
 
 
@@ -127,8 +130,7 @@ def _check_value(name: str, value, hint, meta: Option) -> None:
             raise MethodError(f"`{name}` is true or false, got {value!r}")
     elif kinds & {int, float}:
         number = (int, float) if float in kinds else (int,)
-        if isinstance(value, bool) or not isinstance(value, number) or (
-                isinstance(value, float) and math.isnan(value)):
+        if isinstance(value, bool) or not isinstance(value, number) or (isinstance(value, float) and math.isnan(value)):
             kind = "a number" if float in kinds else "an integer"
             raise MethodError(f"`{name}` must be {kind}, got {value!r}")
         if meta.low is not None and meta.high is not None and not meta.low <= value <= meta.high:
@@ -155,12 +157,16 @@ class DraftModelConfig(_Options):
     method: ClassVar[str] = "draft"
     title: ClassVar[str] = "Draft-Target-Model"
     max_draft_len: int = option(4, "tokens drafted per step", low=1, peer="max_draft_len (TensorRT-LLM)")
-    use_logits: bool = option(False, "accept by min(1, p/q) with the draft's probabilities "
-                                     "(else token match)")
-    draft_layers: int | None = option(None, "self-draft from the target's first N layers",
-                                      default_text="8", metavar="N")
-    draft_model: str | None = option(None, "a draft model (name, dir or .gguf)",
-                                     default_text="a self-draft", peer="speculative_model_dir (TensorRT-LLM)")
+    use_logits: bool = option(False, "accept by min(1, p/q) with the draft's probabilities (else token match)")
+    draft_layers: int | None = option(
+        None, "self-draft from the target's first N layers", default_text="8", metavar="N"
+    )
+    draft_model: str | None = option(
+        None,
+        "a draft model (name, dir or .gguf)",
+        default_text="a self-draft",
+        peer="speculative_model_dir (TensorRT-LLM)",
+    )
 
     def check(self):
         if self.draft_model is not None and self.draft_layers is not None:
@@ -172,18 +178,24 @@ class _NgramMatch(_Options):
     """The n-gram search of prompt lookup, alone (pld) or grafted onto a head method's tree."""
 
     title: ClassVar[str] = "n-gram matching of prompt lookup, alone or grafted"
-    max_matching_ngram_size: int = option(3, "longest n-gram to match", low=1,
-                                          peer="max_matching_ngram_size (HF, TensorRT-LLM)")
+    max_matching_ngram_size: int = option(
+        3, "longest n-gram to match", low=1, peer="max_matching_ngram_size (HF, TensorRT-LLM)"
+    )
     min_matching_ngram_size: int | None = option(
-        None, "shortest n-gram to match (2 suits CPUs, where verifying costs more)", low=1,
+        None,
+        "shortest n-gram to match (2 suits CPUs, where verifying costs more)",
+        low=1,
         default_text="1, or the heads' decoding_defaults for a graft",
-        peer="prompt_lookup_min (vLLM)")
+        peer="prompt_lookup_min (vLLM)",
+    )
 
     def check(self):
         low = 1 if self.min_matching_ngram_size is None else self.min_matching_ngram_size
         if low > self.max_matching_ngram_size:
-            raise MethodError("n-gram sizes must satisfy 1 <= `min_matching_ngram_size` <= "
-                              f"`max_matching_ngram_size`, got {low} and {self.max_matching_ngram_size}")
+            raise MethodError(
+                "n-gram sizes must satisfy 1 <= `min_matching_ngram_size` <= "
+                f"`max_matching_ngram_size`, got {low} and {self.max_matching_ngram_size}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,8 +205,7 @@ class PromptLookupConfig(_NgramMatch):
 
     method: ClassVar[str] = "pld"
     title: ClassVar[str] = "Prompt-Lookup"
-    prompt_lookup_num_tokens: int = option(10, "tokens drafted per step", low=1,
-                                           peer="prompt_lookup_num_tokens (HF)")
+    prompt_lookup_num_tokens: int = option(10, "tokens drafted per step", low=1, peer="prompt_lookup_num_tokens (HF)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,49 +215,73 @@ class LookaheadConfig(_Options):
 
     method: ClassVar[str] = "lookahead"
     title: ClassVar[str] = "Lookahead: Jacobi window + n-gram pool"
-    lookahead: tuple = option((7, 5, 7), "max_window_size, max_ngram_size, max_verification_set_size",
-                              default_text="7,5,7", parse=parse_lookahead, metavar="W,N,G",
-                              peer="(max_window_size, max_ngram_size, max_verification_set_size) (TensorRT-LLM)")
-    lookahead_accept_window: bool = option(False, "also accept the window's own chains from the "
-                                                  "pending token (Jacobi decoding's acceptance; off "
-                                                  "in the references)")
+    lookahead: tuple = option(
+        (7, 5, 7),
+        "max_window_size, max_ngram_size, max_verification_set_size",
+        default_text="7,5,7",
+        parse=parse_lookahead,
+        metavar="W,N,G",
+        peer="(max_window_size, max_ngram_size, max_verification_set_size) (TensorRT-LLM)",
+    )
+    lookahead_accept_window: bool = option(
+        False,
+        "also accept the window's own chains from the "
+        "pending token (Jacobi decoding's acceptance; off "
+        "in the references)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
-class _HeadMethod(_NgramMatch):
+class HeadMethod(_NgramMatch):
     """What every trained-head method shares: the head checkpoint and the prompt-lookup graft."""
 
     title: ClassVar[str] = "trained draft heads"
-    heads: str | None = option(None, "draft-head checkpoint (specjax format)",
-                               default_text="the embedded model's shipped heads")
+    heads: str | None = option(
+        None, "draft-head checkpoint (specjax format)", default_text="the embedded model's shipped heads"
+    )
     lookup_tokens: int | None = option(
-        None, "also draft the prompt-lookup continuation (up to N tokens, n-grams of "
-              "min/max_matching_ngram_size) grafted onto the tree, verified in the same pass",
-        default_text="the heads' decoding_defaults", low=1, metavar="N")
+        None,
+        "also draft the prompt-lookup continuation (up to N tokens, n-grams of "
+        "min/max_matching_ngram_size) grafted onto the tree, verified in the same pass",
+        default_text="the heads' decoding_defaults",
+        low=1,
+        metavar="N",
+    )
     lookup_width: int | None = option(
-        None, "with lookup_tokens: verify a step with a continuation at most W wide, the tree's "
-              "last (lowest-ranked) nodes giving way to its tokens", default_text="the heads' "
-        "decoding_defaults", low=1, metavar="W")
+        None,
+        "with lookup_tokens: verify a step with a continuation at most W wide, the tree's "
+        "last (lowest-ranked) nodes giving way to its tokens",
+        default_text="the heads' decoding_defaults",
+        low=1,
+        metavar="W",
+    )
     no_lookup: bool = option(False, "no prompt-lookup graft, even where the heads recommend one")
 
 
 @dataclass(frozen=True, kw_only=True)
-class _TopKTree(_HeadMethod):
+class _TopKTree(HeadMethod):
     """What Medusa's and EAGLE's trees of top-k children share: the confidence floor and the
     sampling rule."""
 
     title: ClassVar[str] = "trees of top-k children"
     min_draft_prob: float | None = option(
-        None, "verify only drafted nodes whose cumulative draft probability is at least this "
-              "(0: all); steps with unlikely drafts run narrower, down to a plain decode step. "
-              "Top-k trees only (greedy, or sampling with acceptance match)",
-        default_text="the heads' decoding_defaults, else 0", low=0, high=1)
+        None,
+        "verify only drafted nodes whose cumulative draft probability is at least this "
+        "(0: all); steps with unlikely drafts run narrower, down to a plain decode step. "
+        "Top-k trees only (greedy, or sampling with acceptance match)",
+        default_text="the heads' decoding_defaults, else 0",
+        low=0,
+        high=1,
+    )
     acceptance: str | None = option(
-        None, "the rule when sampling: recursive (children drawn without replacement from the "
-              "draft, recursive rejection sampling), traversal (the same trees verified leaves "
-              "first with path weights; trees of fixed shape) or match (the target's sample must "
-              "equal a top-k child)", default_text="recursive where the tree allows, else match",
-        choices=TREE_RULES)
+        None,
+        "the rule when sampling: recursive (children drawn without replacement from the "
+        "draft, recursive rejection sampling), traversal (the same trees verified leaves "
+        "first with path weights; trees of fixed shape) or match (the target's sample must "
+        "equal a top-k child)",
+        default_text="recursive where the tree allows, else match",
+        choices=TREE_RULES,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,16 +291,22 @@ class MedusaConfig(_TopKTree):
     method: ClassVar[str] = "medusa"
     title: ClassVar[str] = "Medusa"
     medusa_choices: object = option(
-        None, "tree as JSON paths of top-k ranks, e.g. '[[0], [0, 0], [1]]', or mc_sim_7b_63 "
-              "(Medusa's 63-node tree); leaf paths alone are completed",
-        default_text="the heads' decoding_defaults, else mc_sim_7b_63", parse=parse_medusa_choices,
-        peer="medusa_choices (TensorRT-LLM)")
+        None,
+        "tree as JSON paths of top-k ranks, e.g. '[[0], [0, 0], [1]]', or mc_sim_7b_63 "
+        "(Medusa's 63-node tree); leaf paths alone are completed",
+        default_text="the heads' decoding_defaults, else mc_sim_7b_63",
+        parse=parse_medusa_choices,
+        peer="medusa_choices (TensorRT-LLM)",
+    )
     posterior_threshold: float | None = option(
-        None, "typical acceptance (LOSSY: output no longer follows the model's distribution; "
-              "Medusa uses 0.09); sampling only", default_text="off", low=0,
-        peer="posterior_threshold (Medusa)")
-    posterior_alpha: float = option(0.3, "typical acceptance's entropy weight", low=0,
-                                    peer="posterior_alpha (Medusa)")
+        None,
+        "typical acceptance (LOSSY: output no longer follows the model's distribution; "
+        "Medusa uses 0.09); sampling only",
+        default_text="off",
+        low=0,
+        peer="posterior_threshold (Medusa)",
+    )
+    posterior_alpha: float = option(0.3, "typical acceptance's entropy weight", low=0, peer="posterior_alpha (Medusa)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,22 +316,41 @@ class EagleConfig(_TopKTree):
 
     title: ClassVar[str] = "EAGLE-1 static tree; EAGLE-2 and EAGLE-3 dynamic trees"
     method: str = "eagle2"
-    eagle_choices: object = option(None, "EAGLE-1 tree as JSON paths of top-k ranks",
-                                   default_text="SafeAILab's 25-node tree",
-                                   parse=parse_eagle_choices, peer="eagle_choices (TensorRT-LLM)")
-    eagle_total_tokens: int | None = option(None, "EAGLE-2/3: tree nodes verified per step, root "
-                                                  "included", default_text="63", low=1,
-                                            peer="total_token (EAGLE)")
-    eagle_depth: int | None = option(None, "EAGLE-2/3: expansion passes after the first, so paths "
-                                           "of up to depth + 1 drafted tokens", default_text="5",
-                                     low=1, peer="depth (EAGLE)")
-    eagle_top_k: int | None = option(None, "EAGLE-2/3: children per expanded node and nodes "
-                                           "expanded per depth", default_text="8", low=1,
-                                     peer="top_k (EAGLE)")
+    eagle_choices: object = option(
+        None,
+        "EAGLE-1 tree as JSON paths of top-k ranks",
+        default_text="SafeAILab's 25-node tree",
+        parse=parse_eagle_choices,
+        peer="eagle_choices (TensorRT-LLM)",
+    )
+    eagle_total_tokens: int | None = option(
+        None,
+        "EAGLE-2/3: tree nodes verified per step, root included",
+        default_text="63",
+        low=1,
+        peer="total_token (EAGLE)",
+    )
+    eagle_depth: int | None = option(
+        None,
+        "EAGLE-2/3: expansion passes after the first, so paths of up to depth + 1 drafted tokens",
+        default_text="5",
+        low=1,
+        peer="depth (EAGLE)",
+    )
+    eagle_top_k: int | None = option(
+        None,
+        "EAGLE-2/3: children per expanded node and nodes expanded per depth",
+        default_text="8",
+        low=1,
+        peer="top_k (EAGLE)",
+    )
     eagle_draft_vocab: int | None = option(
-        None, "EAGLE-1/2: draft only the N most frequent tokens (heads trained by specjax store "
-              "the order)", default_text="the heads' decoding_defaults, else all the heads store",
-        low=1, metavar="N")
+        None,
+        "EAGLE-1/2: draft only the N most frequent tokens (heads trained by specjax store the order)",
+        default_text="the heads' decoding_defaults, else all the heads store",
+        low=1,
+        metavar="N",
+    )
 
     def check(self):
         if self.method not in ("eagle", "eagle2", "eagle3"):
@@ -299,32 +359,53 @@ class EagleConfig(_TopKTree):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RedrafterConfig(_HeadMethod):
+class RedrafterConfig(HeadMethod):
     """ReDrafter: beams drafted by a recurrent head, beam search over its best tokens."""
 
     method: ClassVar[str] = "redrafter"
     title: ClassVar[str] = "ReDrafter: recurrent drafter + beam search"
-    redrafter_num_beams: int | None = option(None, "beams drafted per step",
-                                             default_text="the heads' recommendation, else 5",
-                                             low=1, peer="redrafter_num_beams (TensorRT-LLM)")
+    redrafter_num_beams: int | None = option(
+        None,
+        "beams drafted per step",
+        default_text="the heads' recommendation, else 5",
+        low=1,
+        peer="redrafter_num_beams (TensorRT-LLM)",
+    )
     redrafter_draft_len_per_beam: int | None = option(
-        None, "tokens each beam drafts", default_text="the heads' recommendation, else 5", low=1,
-        peer="redrafter_draft_len_per_beam (TensorRT-LLM)")
+        None,
+        "tokens each beam drafts",
+        default_text="the heads' recommendation, else 5",
+        low=1,
+        peer="redrafter_draft_len_per_beam (TensorRT-LLM)",
+    )
     redrafter_greedy_search: bool = option(
-        True, "beam search (off: sample the beams at the request's temperature)",
-        flag="redrafter_no_greedy_search", peer="redrafter_greedy_search (TensorRT-LLM)")
+        True,
+        "beam search (off: sample the beams at the request's temperature)",
+        flag="redrafter_no_greedy_search",
+        peer="redrafter_greedy_search (TensorRT-LLM)",
+    )
     redrafter_warp_top_k: int | None = option(
-        50, "beam search keeps the drafter's K best tokens per step (None, or 0 on the command "
-            "line: all)", parse=_zero_is_none, low=1)
+        50,
+        "beam search keeps the drafter's K best tokens per step (None, or 0 on the command line: all)",
+        parse=_zero_is_none,
+        low=1,
+    )
 
 
-CONFIGS = {"vanilla": VanillaConfig, "draft": DraftModelConfig, "pld": PromptLookupConfig,
-           "medusa": MedusaConfig, "eagle": EagleConfig, "eagle2": EagleConfig,
-           "eagle3": EagleConfig, "redrafter": RedrafterConfig, "lookahead": LookaheadConfig}
+CONFIGS = {
+    "vanilla": VanillaConfig,
+    "draft": DraftModelConfig,
+    "pld": PromptLookupConfig,
+    "medusa": MedusaConfig,
+    "eagle": EagleConfig,
+    "eagle2": EagleConfig,
+    "eagle3": EagleConfig,
+    "redrafter": RedrafterConfig,
+    "lookahead": LookaheadConfig,
+}
 METHODS = tuple(CONFIGS)
 HeadMethodConfig = MedusaConfig | EagleConfig | RedrafterConfig
-MethodConfig = VanillaConfig | DraftModelConfig | PromptLookupConfig | LookaheadConfig | \
-    HeadMethodConfig
+MethodConfig = VanillaConfig | DraftModelConfig | PromptLookupConfig | LookaheadConfig | HeadMethodConfig
 
 
 def option_fields(cls) -> tuple[dataclasses.Field, ...]:
@@ -348,13 +429,13 @@ def method_config(method: str, **options) -> MethodConfig:
         if key not in own:
             users = [m for m, c in CONFIGS.items() if key in options_of(c)]
             if not users:
-                raise MethodError(f"unknown option `{key}` (options of {method}: "
-                                  f"{', '.join(own) or 'none'})")
+                raise MethodError(f"unknown option `{key}` (options of {method}: {', '.join(own) or 'none'})")
             raise MethodError(f"`{key}` applies to {', '.join(users)}, not {method}")
     return cls(method=method, **options) if cls is EagleConfig else cls(**options)
 
 
 # --- generated from the fields: the command line's flags and the docs' table ---
+
 
 def _declared_options() -> list[tuple[dataclasses.Field, type, list[str]]]:
     """Every option once, in declaration order: (field, the class that declares it, the methods
@@ -404,16 +485,19 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         hints.setdefault(owner, typing.get_type_hints(owner))
         if owner not in groups:
             groups[owner] = parser.add_argument_group(f"{owner.title} ({', '.join(methods)})")
-        meta, kinds = f.metadata["option"], set(typing.get_args(hints[owner][f.name]) or
-                                                (hints[owner][f.name],)) - {type(None)}
+        meta, kinds = (
+            f.metadata["option"],
+            set(typing.get_args(hints[owner][f.name]) or (hints[owner][f.name],)) - {type(None)},
+        )
         text = f"{meta.help} (default: {_default_words(f)})".replace("%", "%%")
         kw = dict(default=argparse.SUPPRESS, help=text, dest=f.name)
         if kinds == {bool}:
             kw.update(action="store_const", const=not f.default)
         else:
-            kw.update(metavar=meta.metavar or f.name.upper().split("_")[-1],
-                      type={int: int, float: float}.get(next(iter(kinds))) if meta.parse is None
-                      else str)
+            kw.update(
+                metavar=meta.metavar or f.name.upper().split("_")[-1],
+                type={int: int, float: float}.get(next(iter(kinds))) if meta.parse is None else str,
+            )
             if meta.choices:
                 kw.update(choices=meta.choices, metavar=None)
         groups[owner].add_argument(flag_of(f.name), **kw)
@@ -427,11 +511,19 @@ def given_options(args: argparse.Namespace) -> dict:
 
 def options_table() -> str:
     """The options as docs/methods.md's table (markdown)."""
-    rows = ["| option | flag | methods | default | TensorRT-LLM / HF / paper name | what |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| option | flag | methods | default | TensorRT-LLM / HF / paper name | what |",
+        "|---|---|---|---|---|---|",
+    ]
     for f, _, methods in _declared_options():
         meta = f.metadata["option"]
-        cells = [f"`{f.name}`", f"`{flag_of(f.name)}`", ", ".join(methods), _default_words(f),
-                 meta.peer or "", meta.help]
+        cells = [
+            f"`{f.name}`",
+            f"`{flag_of(f.name)}`",
+            ", ".join(methods),
+            _default_words(f),
+            meta.peer or "",
+            meta.help,
+        ]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"

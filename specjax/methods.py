@@ -10,11 +10,20 @@ import jax
 
 from specjax.draft_tree import check_confidence_floor
 from specjax.loading import Model, load_model
-from specjax.method_configs import (METHODS, DraftModelConfig, EagleConfig,  # noqa: F401
-                                    LookaheadConfig, MedusaConfig, MethodError,
-                                    PromptLookupConfig, RedrafterConfig, VanillaConfig,
-                                    as_flags, method_config)
-from specjax.method_configs import _HeadMethod
+from specjax.method_configs import (  # noqa: F401
+    METHODS,
+    DraftModelConfig,
+    EagleConfig,
+    HeadMethod,
+    LookaheadConfig,
+    MedusaConfig,
+    MethodError,
+    PromptLookupConfig,
+    RedrafterConfig,
+    VanillaConfig,
+    as_flags,
+    method_config,
+)
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
 
@@ -23,8 +32,7 @@ DEFAULT_DRAFT_LAYERS = 8
 # Trained heads shipped for embedded models, package data (so a wheel has them too):
 # specjax/shipped_heads/<model name>/<kind>/. Which kind of heads each method reads:
 SHIPPED_HEADS = Path(__file__).resolve().parent / "shipped_heads"
-HEAD_KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
-              "redrafter": "redrafter"}
+HEAD_KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3", "redrafter": "redrafter"}
 
 
 def shipped_heads(model: Model, method: str) -> Path | None:
@@ -56,7 +64,7 @@ def recommended(config, target: Model):
     """`config` with its heads found (an embedded model's shipped heads when `heads` is None)
     and the options left None set to what those heads recommend (`heads_decoding_defaults`);
     `no_lookup` keeps a recommended prompt-lookup graft off."""
-    if not isinstance(config, _HeadMethod):
+    if not isinstance(config, HeadMethod):
         return config
     heads = config.heads
     if heads is None:
@@ -64,11 +72,13 @@ def recommended(config, target: Model):
         heads = None if found is None else str(found)
     if heads is None:
         return config
-    fill = {k: v for k, v in heads_decoding_defaults(heads, config.method).items()
-            if k in {f.name for f in dataclasses.fields(config)} and getattr(config, k) is None}
+    fill = {
+        k: v
+        for k, v in heads_decoding_defaults(heads, config.method).items()
+        if k in {f.name for f in dataclasses.fields(config)} and getattr(config, k) is None
+    }
     if config.no_lookup:
-        fill = {k: v for k, v in fill.items() if k not in ("lookup_tokens", "lookup_width",
-                                                           "min_matching_ngram_size")}
+        fill = {k: v for k, v in fill.items() if k not in ("lookup_tokens", "lookup_width", "min_matching_ngram_size")}
     return dataclasses.replace(config, heads=heads, **fill)
 
 
@@ -90,7 +100,7 @@ def make_proposer(config, target: Model, **options):
     if options:
         raise TypeError("make_proposer takes keyword options with a method name, not a config")
     config = recommended(config, target)
-    if isinstance(config, _HeadMethod):
+    if isinstance(config, HeadMethod):
         if config.no_lookup and config.lookup_tokens is not None:
             raise MethodError("`no_lookup` and `lookup_tokens` contradict each other")
         if config.lookup_tokens is not None:
@@ -106,9 +116,9 @@ def _build(config, target: Model):
         return None, None
     if isinstance(config, PromptLookupConfig):
         try:
-            return PromptLookupProposer(config.prompt_lookup_num_tokens,
-                                        config.max_matching_ngram_size,
-                                        config.min_matching_ngram_size or 1), None
+            return PromptLookupProposer(
+                config.prompt_lookup_num_tokens, config.max_matching_ngram_size, config.min_matching_ngram_size or 1
+            ), None
         except ValueError as e:
             raise MethodError(str(e)) from None
     if isinstance(config, DraftModelConfig):
@@ -129,30 +139,33 @@ def _draft_model(config: DraftModelConfig, target: Model):
         draft = load_model(config.draft_model, dtype=target.params["embed"].dtype)
         if draft.config.vocab_size != target.config.vocab_size:
             raise MethodError(
-                f"draft model vocabulary {draft.config.vocab_size} differs from the target's "
-                f"{target.config.vocab_size}")
-        return (DraftModelProposer(draft.config, config.max_draft_len, config.use_logits),
-                draft.params)
+                f"draft model vocabulary {draft.config.vocab_size} differs from the target's {target.config.vocab_size}"
+            )
+        return (DraftModelProposer(draft.config, config.max_draft_len, config.use_logits), draft.params)
     n = config.draft_layers
     n = min(DEFAULT_DRAFT_LAYERS, target.config.num_layers) if n is None else n
     if not 1 <= n <= target.config.num_layers:
         raise MethodError(f"draft layers must be in [1, {target.config.num_layers}], got {n}")
-    return (DraftModelProposer(self_draft_config(target.config, n), config.max_draft_len,
-                               config.use_logits),
-            self_draft_params(target.params, n))
+    return (
+        DraftModelProposer(self_draft_config(target.config, n), config.max_draft_len, config.use_logits),
+        self_draft_params(target.params, n),
+    )
 
 
 def _redrafter(target: Model, config: RedrafterConfig):
     from specjax.proposers.redrafter import make_redrafter
 
     if config.heads is None:
-        raise MethodError("method redrafter needs `heads` PATH (a specjax ReDrafter head "
-                          "checkpoint)")
+        raise MethodError("method redrafter needs `heads` PATH (a specjax ReDrafter head checkpoint)")
     try:
-        return make_redrafter(target, config.heads, num_beams=config.redrafter_num_beams or 5,
-                              draft_len_per_beam=config.redrafter_draft_len_per_beam or 5,
-                              greedy_search=config.redrafter_greedy_search,
-                              warp_top_k=config.redrafter_warp_top_k)
+        return make_redrafter(
+            target,
+            config.heads,
+            num_beams=config.redrafter_num_beams or 5,
+            draft_len_per_beam=config.redrafter_draft_len_per_beam or 5,
+            greedy_search=config.redrafter_greedy_search,
+            warp_top_k=config.redrafter_warp_top_k,
+        )
     except ValueError as e:
         if isinstance(e, MethodError) or type(e).__name__ == "CheckpointError":
             raise
@@ -164,8 +177,9 @@ def _grafted(config, target: Model):
     from specjax.proposers.lookup_graft import LookupGraftProposer
 
     try:
-        lookup = PromptLookupProposer(int(config.lookup_tokens), config.max_matching_ngram_size,
-                                      config.min_matching_ngram_size or 1)
+        lookup = PromptLookupProposer(
+            int(config.lookup_tokens), config.max_matching_ngram_size, config.min_matching_ngram_size or 1
+        )
     except ValueError as e:
         raise MethodError(f"`lookup_tokens`: {e}") from None
     plain = dict(lookup_tokens=None, lookup_width=None)
@@ -189,8 +203,10 @@ def _lookahead(target: Model, wng, accept_window: bool = False):
         raise MethodError(f"lookahead (W, N, G) {tuple(wng)}: {e}") from None
     context = target.config.max_position_embeddings
     if proposer.span >= context:
-        raise MethodError(f"lookahead window (W={w}, N={n}) reaches {proposer.span} positions "
-                          f"ahead, more than the model's context of {context} tokens allows")
+        raise MethodError(
+            f"lookahead window (W={w}, N={n}) reaches {proposer.span} positions "
+            f"ahead, more than the model's context of {context} tokens allows"
+        )
     return proposer
 
 
@@ -215,10 +231,12 @@ def _default_rule(options, paths=None) -> str:
 
     if paths is not None:
         return "match" if skipped_draw(expand_choices(paths)) else "recursive"
-    pick = lambda given, default: default if given is None else given  # noqa: E731
-    fits = tree.recursive_fits(pick(options.eagle_total_tokens, tree.total_tokens),
-                               pick(options.eagle_depth, tree.depth),
-                               pick(options.eagle_top_k, tree.top_k))
+    pick = lambda given, default: default if given is None else given
+    fits = tree.recursive_fits(
+        pick(options.eagle_total_tokens, tree.total_tokens),
+        pick(options.eagle_depth, tree.depth),
+        pick(options.eagle_top_k, tree.top_k),
+    )
     return "recursive" if fits else "match"
 
 
@@ -236,13 +254,13 @@ def _eagle(target: Model, options: EagleConfig):
         raise MethodError(f"method {method} needs `heads` PATH (a specjax {kind} head checkpoint)")
     try:
         net, config, params = (load_eagle3 if method == "eagle3" else load_eagle)(
-            heads, target, options.eagle_draft_vocab)
+            heads, target, options.eagle_draft_vocab
+        )
     except ValueError as e:
         if type(e).__name__ == "CheckpointError":
             raise
         raise MethodError(str(e)) from None
-    tree = {"total_tokens": options.eagle_total_tokens, "depth": options.eagle_depth,
-            "top_k": options.eagle_top_k}
+    tree = {"total_tokens": options.eagle_total_tokens, "depth": options.eagle_depth, "top_k": options.eagle_top_k}
     given = {k: v for k, v in tree.items() if v is not None}
     network = {"net": net}
     if options.min_draft_prob is not None:
@@ -251,15 +269,19 @@ def _eagle(target: Model, options: EagleConfig):
     try:
         if method == "eagle":
             if given:
-                raise MethodError("`eagle_total_tokens`/`eagle_depth`/`eagle_top_k` are "
-                                  "EAGLE-2 options; EAGLE-1 takes `eagle_choices`")
+                raise MethodError(
+                    "`eagle_total_tokens`/`eagle_depth`/`eagle_top_k` are "
+                    "EAGLE-2 options; EAGLE-1 takes `eagle_choices`"
+                )
             tree = EAGLE_DEFAULT_TREE if eagle_choices is None else tuple(map(tuple, eagle_choices))
             network["rule"] = options.acceptance or _default_rule(options, tree)
             return EagleTreeProposer(config, eagle_choices=tree, **network), params
         network["rule"] = options.acceptance or _default_rule(options)
         if eagle_choices is not None:
-            raise MethodError(f"`eagle_choices` is an EAGLE-1 option (eagle); {method} builds "
-                              "its tree from `eagle_total_tokens`/`eagle_depth`/`eagle_top_k`")
+            raise MethodError(
+                f"`eagle_choices` is an EAGLE-1 option (eagle); {method} builds "
+                "its tree from `eagle_total_tokens`/`eagle_depth`/`eagle_top_k`"
+            )
         return EagleDynamicProposer(config, **network, **given), params
     except MethodError:
         raise
@@ -284,15 +306,18 @@ def _medusa(target: Model, config: MedusaConfig):
     if medusa_choices is None:  # the default tree, cut to the heads there are
         medusa_choices = [c for c in MC_SIM_7B_63 if len(c) <= num_heads]
     try:
-        proposer = MedusaProposer(num_heads=num_heads, num_layers=int(meta["num_layers"]),
-                                  vocab_size=target.config.vocab_size,
-                                  medusa_choices=tuple(map(tuple, medusa_choices)),
-                                  own_lm_head=bool(meta.get("own_lm_head", True)),
-                                  posterior_threshold=config.posterior_threshold,
-                                  posterior_alpha=config.posterior_alpha,
-                                  min_prob=min_prob or 0.0, acceptance=config.acceptance or (
-                                      "match" if config.posterior_threshold is not None
-                                      else _default_rule(config, medusa_choices)))
+        proposer = MedusaProposer(
+            num_heads=num_heads,
+            num_layers=int(meta["num_layers"]),
+            vocab_size=target.config.vocab_size,
+            medusa_choices=tuple(map(tuple, medusa_choices)),
+            own_lm_head=bool(meta.get("own_lm_head", True)),
+            posterior_threshold=config.posterior_threshold,
+            posterior_alpha=config.posterior_alpha,
+            min_prob=min_prob or 0.0,
+            acceptance=config.acceptance
+            or ("match" if config.posterior_threshold is not None else _default_rule(config, medusa_choices)),
+        )
     except ValueError as e:
         raise MethodError(str(e)) from None
     dtype = target.params["embed"].dtype
@@ -304,8 +329,7 @@ def _medusa(target: Model, config: MedusaConfig):
         from specjax.proposers.eagle_net import draft_vocabulary
 
         if ids.shape[0] < proposer.top_k:
-            raise MethodError(f"{heads} drafts from {ids.shape[0]} tokens, fewer than the "
-                              f"tree's top-{proposer.top_k}")
+            raise MethodError(f"{heads} drafts from {ids.shape[0]} tokens, fewer than the tree's top-{proposer.top_k}")
         params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids, None)
     if not proposer.own_lm_head:  # the heads' shared product in the draft weights type
         from specjax.cpu.draft_weights import draft_weights

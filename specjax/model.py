@@ -18,13 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels_pallas import unwritten_keys_mask, visible_keys_mask, write_paged_kv
 from specjax.attention import attention_unwritten, on_cpu_path, paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
-from specjax.config import ModelConfig
 from specjax.cpu.activation import swiglu
-from specjax.cpu.matmul import (MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul,
-                                take_rows)
+from specjax.cpu.matmul import MAX_ROWS, PackedWeight, as_array, kernel_applies, rows_matmul, take_rows
+from specjax.kernels_pallas import unwritten_keys_mask, visible_keys_mask, write_paged_kv
+from specjax.model_config import ModelConfig
 from specjax.rope import apply_rope, rope_cos_sin
 
 
@@ -65,8 +64,8 @@ def linear(x, w, out_dtype=None):
     """x [..., in] times a weight stored [out, in] -> [..., out] (accumulated in out_dtype if set).
 
     On XLA:CPU computed as (w @ x^T)^T: for the few rows of a decode or verify pass (2-16
-    tokens) its matrix multiply runs 1.3-1.6x faster with the weight as the tall left operand
-    than as x @ w (docs/design.md, "Model layout choices"; benchmarks/bench_forward_cost.py
+    tokens) its matrix multiply runs faster with the weight as the tall left operand than as
+    x @ w (measured in docs/design.md, "Model layout choices"; benchmarks/bench_forward_cost.py
     times whole passes). The barrier keeps XLA from folding the transpose back into the product.
     A GPU gains nothing from that: there (and in any program with the Pallas kernel) it is a
     plain product.
@@ -86,8 +85,7 @@ def _columns(x, w, out_dtype=None):
     """XLA's product w @ x^T of rows x [..., in] and a weight [out, in]: columns [out, N]."""
     dtype = jnp.result_type(x, w)
     x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
-    y = jax.lax.dot_general(w.astype(dtype), x2, (((1,), (1,)), ((), ())),
-                            preferred_element_type=out_dtype)
+    y = jax.lax.dot_general(w.astype(dtype), x2, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
     return jax.lax.optimization_barrier(y)
 
 
@@ -106,8 +104,12 @@ def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
     layers = []
     for _ in range(config.num_layers):
         layer = {
-            "attn_norm": jnp.ones((d,), dtype), "wqkv": lin(d, q + 2 * kv), "wo": lin(q, d),
-            "mlp_norm": jnp.ones((d,), dtype), "w_gate_up": lin(d, 2 * f), "w_down": lin(f, d),
+            "attn_norm": jnp.ones((d,), dtype),
+            "wqkv": lin(d, q + 2 * kv),
+            "wo": lin(q, d),
+            "mlp_norm": jnp.ones((d,), dtype),
+            "w_gate_up": lin(d, 2 * f),
+            "w_down": lin(f, d),
         }
         if config.attention_bias:
             layer["bqkv"] = w(q + 2 * kv)
@@ -143,8 +145,22 @@ def compute_logits(params, hidden):
     return head_logits(hidden, lm_head_weight(params))
 
 
-def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, block_tables,
-                     lengths, slots, write_ok, tree_mask, keys_seen, defer_write=False):
+def _attention_block(
+    layer,
+    config: ModelConfig,
+    x,
+    cos,
+    sin,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    slots,
+    write_ok,
+    tree_mask,
+    keys_seen,
+    defer_write=False,
+):
     b, t, _ = x.shape
     hd = config.head_dim
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps) if "attn_norm" in layer else x
@@ -153,7 +169,7 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
         if config.attention_bias:
             qkv = qkv + layer["bqkv"]
         nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
-        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+        q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
     else:  # unfused (tensor-parallel layers: each product splits over whole heads, sharding.py)
         q, k, v = (linear(h, layer[w]) for w in ("wq", "wk", "wv"))
         if config.attention_bias:
@@ -167,14 +183,22 @@ def _attention_block(layer, config: ModelConfig, x, cos, sin, k_pages, v_pages, 
     exact = config.sliding_window is None and uses_pallas()
     if defer_write:  # attend over the committed slots and the new rows; the pools stay as they are
         if uses_pallas():  # the kernel reads the tree keys from the rows (keys_seen is by slot)
-            attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
-                                   key_mask=None if exact else keys_seen, k_new=k, v_new=v)
+            attn = paged_attention(
+                q,
+                k_pages,
+                v_pages,
+                block_tables,
+                lengths,
+                tree_mask,
+                key_mask=None if exact else keys_seen,
+                k_new=k,
+                v_new=v,
+            )
         else:
             attn = attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
         return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
-    attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask,
-                           key_mask=None if exact else keys_seen)
+    attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask=None if exact else keys_seen)
     return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
 
 
@@ -204,7 +228,7 @@ def _gated_columns(h, w_gate_up):
     return act.T.reshape(*lead, f)
 
 
-def _mlp_block(layer, config: ModelConfig, x):
+def mlp_block(layer, config: ModelConfig, x):
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     if "w_gate_up" not in layer:  # unfused (tensor-parallel layers)
         act = jax.nn.silu(linear(h, layer["w_gate"])) * linear(h, layer["w_up"])
@@ -239,8 +263,18 @@ def key_mask(config: ModelConfig, cache: PagedKVCache, positions, tree_mask):
     return vis & near
 
 
-def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCache, tree_mask,
-                   valid, capture=frozenset(), slots=None, defer_kv_write=False):
+def decoder_layers(
+    layers,
+    config: ModelConfig,
+    x,
+    positions,
+    cache: PagedKVCache,
+    tree_mask,
+    valid,
+    capture=frozenset(),
+    slots=None,
+    defer_kv_write=False,
+):
     """The decoder layers over input vectors x [B, T, D] (no embedding, no final norm).
 
     Returns (x, cache with the new K/V written, {layer index: output} for `capture`). A layer
@@ -271,14 +305,27 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
     new_k, new_v = [], []
     for i, layer in enumerate(layers):
         x, k, v = _attention_block(
-            layer, config, x, cos, sin, k_all[i], v_all[i], cache.block_tables, cache.lengths,
-            slots, valid, tree_mask, keys_seen, defer_kv_write)
+            layer,
+            config,
+            x,
+            cos,
+            sin,
+            k_all[i],
+            v_all[i],
+            cache.block_tables,
+            cache.lengths,
+            slots,
+            valid,
+            tree_mask,
+            keys_seen,
+            defer_kv_write,
+        )
         if defer_kv_write:
             new_k.append(k)
             new_v.append(v)
         else:
             k_all[i], v_all[i] = k, v
-        x = _mlp_block(layer, config, x)
+        x = mlp_block(layer, config, x)
         if i in capture:
             captured[i] = x
     if defer_kv_write:
@@ -286,9 +333,19 @@ def decoder_layers(layers, config: ModelConfig, x, positions, cache: PagedKVCach
     return x, cache.replace(k_pages=k_all, v_pages=v_all), captured, None
 
 
-def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache, tree_mask, *,
-            valid=None, logits_at=None, hidden_layers: Sequence[int] = (),
-            defer_kv_write: bool = False) -> ForwardOutput:
+def forward(
+    params,
+    config: ModelConfig,
+    tokens,
+    positions,
+    cache: PagedKVCache,
+    tree_mask,
+    *,
+    valid=None,
+    logits_at=None,
+    hidden_layers: Sequence[int] = (),
+    defer_kv_write: bool = False,
+) -> ForwardOutput:
     """Run the decoder over T new tokens per sequence, writing their K/V into the cache.
 
     tokens, positions: int32[B, T]. New token i of sequence b is stored at slot
@@ -306,10 +363,17 @@ def forward(params, config: ModelConfig, tokens, positions, cache: PagedKVCache,
     wanted = set(hidden_layers)
     if any(i < 0 or i >= config.num_layers for i in wanted):
         raise ValueError(f"hidden_layers must lie in [0, {config.num_layers})")
-    x, cache, captured, new_kv = decoder_layers(params["layers"], config,
-                                                take_rows(params["embed"], tokens), positions,
-                                                cache, tree_mask, valid, wanted,
-                                                defer_kv_write=defer_kv_write)
+    x, cache, captured, new_kv = decoder_layers(
+        params["layers"],
+        config,
+        take_rows(params["embed"], tokens),
+        positions,
+        cache,
+        tree_mask,
+        valid,
+        wanted,
+        defer_kv_write=defer_kv_write,
+    )
     hidden = rms_norm(x, params["norm"], config.rms_norm_eps)
     if logits_at is None:
         logits = compute_logits(params, hidden)

@@ -23,14 +23,12 @@ def random_head_checkpoint(method: str, target, out):
         p = MedusaProposer(num_heads=4, vocab_size=c.vocab_size, own_lm_head=False)
         heads = p.init_params(key, c.hidden_size, lm_head_weight(target.params))
         heads = jax.tree_util.tree_map(lambda a: a + 0.02 * jax.random.normal(key, a.shape), heads)
-        return save_heads(out, "medusa", heads, {**meta, "num_heads": 4, "num_layers": 1,
-                                                 "own_lm_head": False})
+        return save_heads(out, "medusa", heads, {**meta, "num_heads": 4, "num_layers": 1, "own_lm_head": False})
     if method == "eagle3":
         from specjax.proposers.eagle3_net import init_eagle3_params, save_eagle3_heads
 
         cfg3, net = init_eagle3_params(key, c, min(2048, c.vocab_size), scale=0.02)
-        return save_eagle3_heads(out, cfg3, net, {"hidden_size": c.hidden_size,
-                                                  "vocab_size": c.vocab_size})
+        return save_eagle3_heads(out, cfg3, net, {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size})
     if method == "redrafter":
         from specjax.proposers.redrafter import ReDrafterProposer, head_meta, save_redrafter
 
@@ -39,7 +37,8 @@ def random_head_checkpoint(method: str, target, out):
     cfg = dataclasses.replace(c, num_layers=1)
     layer = init_params(cfg, key, scale=0.02)["layers"][0]
     del layer["attn_norm"]
-    fc = {"kernel": 0.02 * jax.random.normal(key, (2 * c.hidden_size, c.hidden_size)),
-          "bias": jax.numpy.zeros((c.hidden_size,))}
-    return save_heads(out, "eagle", {"fc": fc, "layers": {"0": layer}},
-                      {**meta, "config": cfg.to_hf()})
+    fc = {
+        "kernel": 0.02 * jax.random.normal(key, (2 * c.hidden_size, c.hidden_size)),
+        "bias": jax.numpy.zeros((c.hidden_size,)),
+    }
+    return save_heads(out, "eagle", {"fc": fc, "layers": {"0": layer}}, {**meta, "config": cfg.to_hf()})

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
 from specjax.cpu.matmul import kernel_in_use
+from specjax.model_config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
@@ -36,14 +36,14 @@ def rope_cos_sin(config: ModelConfig, positions: jnp.ndarray):
 
     On one CPU device (where the matmul kernel runs) both branches of a conditional compute
     them: it only keeps XLA from fusing the cosine and sine into every layer's rotation, where
-    XLA:CPU evaluates them per head (60 rotations in a 30-layer pass, ~1 ms of a 12-token verify
-    on the project's CPU); `optimization_barrier` does not stop that fusion. Elsewhere (meshes,
-    where the predicate would be one more collective; GPUs) they are computed plainly.
+    XLA:CPU evaluates them per head (two rotations per layer); `optimization_barrier` does not
+    stop that fusion. Elsewhere (meshes, where the predicate would be one more collective; GPUs)
+    they are computed plainly.
     """
     inv = jnp.asarray(inverse_frequencies(config))
     angles = positions.astype(jnp.float32)[..., None] * inv
     angles = jnp.concatenate([angles, angles], axis=-1)
-    cos_sin = lambda a: (jnp.cos(a), jnp.sin(a))  # noqa: E731
+    cos_sin = lambda a: (jnp.cos(a), jnp.sin(a))
     if not kernel_in_use():
         return cos_sin(angles)
     return jax.lax.cond(jnp.any(positions < 0), cos_sin, cos_sin, angles)

@@ -71,19 +71,17 @@ def argmax_last(x, block: int = 1024):
     """int32 index of the largest value along the last axis, the first on ties (a NaN counts as
     largest): what jnp.argmax gives.
 
-    XLA:CPU runs jnp.argmax's (value, index) reduction without vectorizing it: 0.14 ms for one
-    49152-logit row, 0.55 ms for a five-node verify pass's rows (every greedy token, every tree
-    node, every categorical draw). A vectorized max per block of `block` values and jnp.argmax
-    over the few block maxima and inside the one winning block cost 0.02 and 0.07 ms, a sum
-    included that sends inputs holding a NaN (which XLA:CPU's vectorized max need not
-    propagate) to an exact search over integer keys. Elsewhere (GPU) plain jnp.argmax.
+    XLA:CPU runs jnp.argmax's (value, index) reduction without vectorizing it, and it runs for
+    every greedy token, every tree node, every categorical draw. A vectorized max per block of
+    `block` values and jnp.argmax over the few block maxima and inside the one winning block
+    cost a fraction of that, a sum included that sends inputs holding a NaN (which XLA:CPU's
+    vectorized max need not propagate) to an exact search over integer keys. Elsewhere (GPU) plain jnp.argmax.
     """
     if not on_cpu_path():
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     if x.shape[-1] < 4 * block:
         return _first_max_exact(x)
-    return jax.lax.cond(jnp.isnan(jnp.sum(x)), _first_max_exact,
-                        lambda y: _first_max_blockwise(y, block), x)
+    return jax.lax.cond(jnp.isnan(jnp.sum(x)), _first_max_exact, lambda y: _first_max_blockwise(y, block), x)
 
 
 def categorical(key, logits):
@@ -151,7 +149,7 @@ def gumbel_top_k(keys, logq, k: int):
 
     typed = jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
     batch = keys.ndim - (0 if typed else 1)
-    noise = lambda key: jax.random.gumbel(key, logq.shape[batch:], logq.dtype)  # noqa: E731
+    noise = lambda key: jax.random.gumbel(key, logq.shape[batch:], logq.dtype)
     for _ in range(batch):
         noise = jax.vmap(noise)
     perturbed = noise(keys) + logq
@@ -163,8 +161,7 @@ def kth_largest(x, k: int):
     """The k-th largest value along the last axis, shaped [..., 1].
 
     The barrier keeps XLA:CPU from fusing top_k into a consumer that compares against it, a
-    fusion that turns the top_k into a full sort (7.9 ms instead of 0.1 ms for one
-    49152-token row on this project's CPU).
+    fusion that turns the top_k into a full sort of the row.
     """
     return jax.lax.optimization_barrier(jax.lax.top_k(x, k)[0])[..., -1:]
 
@@ -175,7 +172,7 @@ def top_p_mask(logits, top_p: float):
     A value v is kept when the probability of the tokens strictly more likely than v is below
     top_p (so ties are kept together and the most likely token always is). That mass falls as v
     rises, so the smallest kept value is found by bisection over the floats' ordered integer
-    keys: 32 passes over the row, where XLA:CPU's sort of 49152 logits takes 9 ms a row.
+    keys: 32 passes over the row, far cheaper than XLA:CPU's sort of a whole vocabulary.
     """
     probs = jax.nn.softmax(logits, axis=-1)
     bits = jax.lax.bitcast_convert_type(jnp.where(logits == 0, 0.0, logits), jnp.int32)  # -0 = +0

@@ -62,36 +62,52 @@ class TraceSetting(Variable):
 
 
 ATTENTION = TraceSetting(
-    "SPECJAX_ATTENTION", ("auto", "pallas", "pallas-interpret", "cpu", "xla"), "attention backend",
+    "SPECJAX_ATTENTION",
+    ("auto", "pallas", "pallas-interpret", "cpu", "xla"),
+    "attention backend",
     "attention backend (`specjax.attention`): auto = the Pallas kernel on a CUDA GPU of sm80+, "
-    "the native CPU kernel on one CPU device, the XLA reference elsewhere")
+    "the native CPU kernel on one CPU device, the XLA reference elsewhere",
+)
 CPU_MATMUL = TraceSetting(
-    "SPECJAX_CPU_MATMUL", ("auto", "kernel", "xla"), "CPU matmul setting",
+    "SPECJAX_CPU_MATMUL",
+    ("auto", "kernel", "xla"),
+    "CPU matmul setting",
     "few-row products on the native CPU kernel (`specjax.cpu.matmul`) or XLA's; auto = the "
-    "kernel on one x86-64 CPU device where it builds (it also gates the other CPU kernels)")
+    "kernel on one x86-64 CPU device where it builds (it also gates the other CPU kernels)",
+)
 DRAFT_WEIGHTS = TraceSetting(
-    "SPECJAX_DRAFT_WEIGHTS", ("auto", "float32", "float16", "int8"), "draft weights setting",
-    "the type draft networks' weights take on the CPU matmul kernel "
-    "(`specjax.cpu.draft_weights`); auto = int8")
+    "SPECJAX_DRAFT_WEIGHTS",
+    ("auto", "float32", "float16", "int8"),
+    "draft weights setting",
+    "the type draft networks' weights take on the CPU matmul kernel (`specjax.cpu.draft_weights`); auto = int8",
+)
 CACHE = Variable(
-    "SPECJAX_CACHE", "a directory", "~/.cache/specjax",
-    "root of specjax's cache: embedded models, converted GGUFs, built CPU kernels, compiled "
-    "programs")
+    "SPECJAX_CACHE",
+    "a directory",
+    "~/.cache/specjax",
+    "root of specjax's cache: embedded models, converted GGUFs, built CPU kernels, compiled programs",
+)
 COMPILE_CACHE = Variable(
-    "SPECJAX_COMPILE_CACHE", "a directory, or 0, off, false, no", "<SPECJAX_CACHE>/jax-compile",
-    "JAX's persistent compilation cache for the `specjax` command (`specjax.compile_cache`); "
-    "0 turns it off")
+    "SPECJAX_COMPILE_CACHE",
+    "a directory, or 0, off, false, no",
+    "<SPECJAX_CACHE>/jax-compile",
+    "JAX's persistent compilation cache for the `specjax` command (`specjax.compile_cache`); 0 turns it off",
+)
 DEBUG = Variable(
-    "SPECJAX_DEBUG", "any non-empty value", "unset",
-    "the `specjax` command raises errors with their traceback instead of printing one line")
+    "SPECJAX_DEBUG",
+    "any non-empty value",
+    "unset",
+    "the `specjax` command raises errors with their traceback instead of printing one line",
+)
 EXAMPLES_SMOKE = Variable(
-    "SPECJAX_EXAMPLES_SMOKE", "1", "unset",
-    "examples/ run in their reduced mode (few tokens), as with --smoke")
+    "SPECJAX_EXAMPLES_SMOKE", "1", "unset", "examples/ run in their reduced mode (few tokens), as with --smoke"
+)
 
 VARIABLES = (ATTENTION, CPU_MATMUL, DRAFT_WEIGHTS, CACHE, COMPILE_CACHE, DEBUG, EXAMPLES_SMOKE)
 # Not specjax's own, but read here too: the compiler that builds the native CPU kernels.
-CXX = Variable("CXX", "a C++ compiler command", "g++",
-               "the compiler that builds the native CPU kernels (`specjax.cpu.native`)")
+CXX = Variable(
+    "CXX", "a C++ compiler command", "g++", "the compiler that builds the native CPU kernels (`specjax.cpu.native`)"
+)
 
 
 def cache_dir() -> Path:

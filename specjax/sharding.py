@@ -31,18 +31,25 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from specjax.config import ModelConfig
+from specjax.model_config import ModelConfig
 
 AXES = ("data", "model")
 POOL_NAMES = ("k_pages", "v_pages")
 # Unfused layer weights: column-parallel (outputs split), row-parallel (inputs split), biases.
 LAYER_SPECS = {
-    "wq": P("model", None), "wk": P("model", None), "wv": P("model", None),
-    "bq": P("model"), "bk": P("model"), "bv": P("model"),
-    "w_gate": P("model", None), "w_up": P("model", None),
-    "wo": P(None, "model"), "w_down": P(None, "model"),
+    "wq": P("model", None),
+    "wk": P("model", None),
+    "wv": P("model", None),
+    "bq": P("model"),
+    "bk": P("model"),
+    "bv": P("model"),
+    "w_gate": P("model", None),
+    "w_up": P("model", None),
+    "wo": P(None, "model"),
+    "w_down": P(None, "model"),
 }
 VOCAB_PARALLEL = P("model", None)
 
@@ -69,9 +76,10 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
         raise ShardingError(f"tp and dp must be >= 1, got tp={tp} dp={dp}")
     devices = jax.devices() if devices is None else list(devices)
     if tp * dp > len(devices):
-        raise ShardingError(f"tp={tp} x dp={dp} needs {tp * dp} devices, but only {len(devices)} "
-                            f"{devices[0].platform} device(s) exist")
-    return Mesh(np.asarray(devices[:tp * dp], dtype=object).reshape(dp, tp), AXES)
+        raise ShardingError(
+            f"tp={tp} x dp={dp} needs {tp * dp} devices, but only {len(devices)} {devices[0].platform} device(s) exist"
+        )
+    return Mesh(np.asarray(devices[: tp * dp], dtype=object).reshape(dp, tp), AXES)
 
 
 def tp_size(mesh: Mesh) -> int:
@@ -84,16 +92,20 @@ def dp_size(mesh: Mesh) -> int:
 
 def check_divisible(config: ModelConfig, tp: int, what: str = "model") -> None:
     """One-line error when the heads, intermediate size or vocabulary do not split over tp."""
-    for name, n in (("KV heads", config.num_kv_heads), ("attention heads", config.num_heads),
-                    ("intermediate size", config.intermediate_size),
-                    ("vocabulary", config.vocab_size)):
+    for name, n in (
+        ("KV heads", config.num_kv_heads),
+        ("attention heads", config.num_heads),
+        ("intermediate size", config.intermediate_size),
+        ("vocabulary", config.vocab_size),
+    ):
         if n % tp:
             raise ShardingError(f"tp={tp} does not divide the {what}'s {n} {name}")
 
 
 def _splittable(config, tp: int) -> bool:
     return isinstance(config, ModelConfig) and all(
-        n % tp == 0 for n in (config.num_kv_heads, config.num_heads, config.intermediate_size))
+        n % tp == 0 for n in (config.num_kv_heads, config.num_heads, config.intermediate_size)
+    )
 
 
 def unfuse_layer(layer: dict, config: ModelConfig) -> dict:
@@ -123,8 +135,7 @@ def put(x, sharding: NamedSharding, dtype=None):
         if x.sharding == sharding and (dtype is None or x.dtype == dtype):
             return x
         if not x.is_fully_addressable:  # spread over hosts: reshard on device
-            return jax.jit(lambda a: a if dtype is None else a.astype(dtype),
-                           out_shardings=sharding)(x)
+            return jax.jit(lambda a: a if dtype is None else a.astype(dtype), out_shardings=sharding)(x)
     host = np.asarray(x)
     if dtype is not None:
         host = host.astype(dtype)
@@ -148,13 +159,11 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh, dtype=None) -> d
     layers = []
     for layer in params["layers"]:
         layer = unfuse_layer(layer, config)
-        layers.append({k: put(v, _named(mesh, LAYER_SPECS.get(k, P())), dtype)
-                       for k, v in layer.items()})
+        layers.append({k: put(v, _named(mesh, LAYER_SPECS.get(k, P())), dtype) for k, v in layer.items()})
     out = {"layers": layers}
     for k, v in params.items():
         if k != "layers":
-            out[k] = put(v, _named(mesh, VOCAB_PARALLEL if k in ("embed", "lm_head") else P()),
-                         dtype)
+            out[k] = put(v, _named(mesh, VOCAB_PARALLEL if k in ("embed", "lm_head") else P()), dtype)
     return out
 
 
@@ -186,10 +195,19 @@ def shard_proposer_params(proposer, params, mesh: Mesh, vocab_size: int):
         if isinstance(node, dict):
             out = {}
             for k, v in node.items():
-                if (k == "layers" and unfuse and isinstance(v, (list, tuple))
-                        and all(isinstance(l, dict) and ("wqkv" in l or "wq" in l) for l in v)):
-                    out[k] = [{n: put(a, _named(mesh, LAYER_SPECS.get(n, P())))
-                               for n, a in unfuse_layer(layer, config).items()} for layer in v]
+                if (
+                    k == "layers"
+                    and unfuse
+                    and isinstance(v, (list, tuple))
+                    and all(isinstance(l, dict) and ("wqkv" in l or "wq" in l) for l in v)
+                ):
+                    out[k] = [
+                        {
+                            n: put(a, _named(mesh, LAYER_SPECS.get(n, P())))
+                            for n, a in unfuse_layer(layer, config).items()
+                        }
+                        for layer in v
+                    ]
                 else:
                     out[k] = walk(v)
             return out

@@ -1,8 +1,9 @@
 """One speculative step as a pure function, and the jitted loop that repeats it.
 
 spec_step: propose -> verify -> accept -> commit -> update, for a whole batch, each sequence
-accepting its own number of tokens. Proposers (Draft-Target, Prompt-Lookup, later Medusa, EAGLE,
-ReDrafter, Lookahead) implement `Proposer`; their parameters travel as a separate pytree.
+accepting its own number of tokens. Proposers (`specjax.proposers`: Draft-Target, Prompt-Lookup,
+Medusa, EAGLE-1/2/3, ReDrafter, Lookahead, the prompt-lookup graft) implement `Proposer`; their
+parameters travel as a separate pytree.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.attention import attention_mesh
 from specjax.accept import AcceptResult, accept, accept_draws
+from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, append_until_stop
 from specjax.commit import commit
-from specjax.config import ModelConfig
 from specjax.draft_tree import DraftTree
+from specjax.model_config import ModelConfig
 from specjax.sampling import SamplingConfig, argmax_last
 from specjax.sharding import pinning
 from specjax.verify import verify_pruned_kv
@@ -64,8 +65,7 @@ class Proposer(Protocol):
     def init(self, params, pools, ctx: SpecContext, prompt_chunk, prompt_len) -> Any:
         """State after the target's prefill; prompt_chunk [B, W] holds tokens[:, :length-1]."""
 
-    def propose(self, params, state, ctx: SpecContext, keys, sampling: SamplingConfig
-                ) -> tuple[DraftTree, Any]:
+    def propose(self, params, state, ctx: SpecContext, keys, sampling: SamplingConfig) -> tuple[DraftTree, Any]:
         """A draft tree per sequence (node 0 = pending token) and the new state."""
 
     def update(self, params, state, ctx: SpecContext, result: AcceptResult, active) -> Any:
@@ -207,74 +207,103 @@ def appended_tokens(tree: DraftTree, result: AcceptResult):
     return jnp.where(d < result.n_accepted[:, None], drafted, result.next_token[:, None])
 
 
-def spec_step(params, config: ModelConfig, proposer: Proposer, proposer_params,
-              sampling: SamplingConfig, state: SpecState, max_new_tokens, eos_ids) -> SpecState:
+def spec_step(
+    params,
+    config: ModelConfig,
+    proposer: Proposer,
+    proposer_params,
+    sampling: SamplingConfig,
+    state: SpecState,
+    max_new_tokens,
+    eos_ids,
+) -> SpecState:
     """One speculative step for every unfinished sequence."""
     b = state.tokens.shape[0]
     active = ~state.done
     ctx = SpecContext(state.tokens, state.lengths, state.cache.block_tables, state.features)
     # The scopes name each phase's ops in profiles (benchmarks/profile_step.py).
     with jax.named_scope("propose"):
-        tree, pstate = proposer.propose(proposer_params, state.proposer_state, ctx,
-                                        _step_keys(state.keys, state.lengths, 1), sampling)
+        tree, pstate = proposer.propose(
+            proposer_params, state.proposer_state, ctx, _step_keys(state.keys, state.lengths, 1), sampling
+        )
     with jax.named_scope("verify"):
         # greedy: each node's argmax, taken inside the verify pass over the nodes it verifies
         scores, hidden, cache, new_kv = verify_pruned_kv(
-            params, config, state.cache, tree, proposer.feature_layers, proposer.likely_widths,
-            greedy_draws=sampling.greedy)
+            params,
+            config,
+            state.cache,
+            tree,
+            proposer.feature_layers,
+            proposer.likely_widths,
+            greedy_draws=sampling.greedy,
+        )
     with jax.named_scope("accept"):
         if sampling.greedy:
             result, node_argmax = accept_draws(tree, scores), scores
         else:
-            result = accept(tree, scores, _step_keys(state.keys, state.lengths, 2), sampling,
-                            proposer.rule, **proposer.rule_options)
+            result = accept(
+                tree, scores, _step_keys(state.keys, state.lengths, 2), sampling, proposer.rule, **proposer.rule_options
+            )
             node_argmax = nodes_argmax(proposer, scores)  # left out by XLA unless read
     # No accepted path runs deeper than the proposer's trees: the phases below read that many.
-    path = result.path[:, :min(proposer.max_path_len, tree.size)]
+    path = result.path[:, : min(proposer.max_path_len, tree.size)]
     with jax.named_scope("commit"):
-        cache = commit(cache, path, result.n_accepted, active, is_chain=proposer.is_chain,
-                       new_kv=new_kv)
+        cache = commit(cache, path, result.n_accepted, active, is_chain=proposer.is_chain, new_kv=new_kv)
 
     # Append up to n + 1 tokens, stopping after EOS and at max_new_tokens.
     new = appended_tokens(tree, result)
-    tokens, lengths, done = append_until_stop(state, new, result.n_accepted + 1, max_new_tokens,
-                                              eos_ids)
+    tokens, lengths, done = append_until_stop(state, new, result.n_accepted + 1, max_new_tokens, eos_ids)
 
     # The deepest accepted node predicted the new pending token: its features drive the next draft.
     best = jnp.take_along_axis(result.path, result.n_accepted[:, None], axis=1)[:, 0]
     best_hidden = jnp.take_along_axis(hidden, best[:, None, None], axis=1)[:, 0]
     features = jnp.where(active[:, None], best_hidden.astype(state.features.dtype), state.features)
     path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
-    new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden,
-                          node_argmax=node_argmax)
+    new_ctx = SpecContext(tokens, lengths, cache.block_tables, features, path_hidden, node_argmax=node_argmax)
     with jax.named_scope("update"):
-        pstate = proposer.update(proposer_params, pstate, new_ctx, result.replace(path=path),
-                                 active)
+        pstate = proposer.update(proposer_params, pstate, new_ctx, result.replace(path=path), active)
     hist = state.accepted_hist.at[jnp.arange(b), result.n_accepted].add(active.astype(jnp.int32))
-    return state.replace(tokens=tokens, lengths=lengths, done=done, steps=state.steps + active,
-                         cache=cache, features=features, proposer_state=pstate,
-                         accepted_hist=hist)
+    return state.replace(
+        tokens=tokens,
+        lengths=lengths,
+        done=done,
+        steps=state.steps + active,
+        cache=cache,
+        features=features,
+        proposer_state=pstate,
+        accepted_hist=hist,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "mesh"),
-                   donate_argnames=("state",))
-def spec_loop(params, config: ModelConfig, proposer: Proposer, proposer_params,
-              sampling: SamplingConfig, state: SpecState, max_new_tokens, eos_ids,
-              mesh=None) -> SpecState:
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "mesh"), donate_argnames=("state",))
+def spec_loop(
+    params,
+    config: ModelConfig,
+    proposer: Proposer,
+    proposer_params,
+    sampling: SamplingConfig,
+    state: SpecState,
+    max_new_tokens,
+    eos_ids,
+    mesh=None,
+) -> SpecState:
     """spec_step until every sequence hit EOS or max_new_tokens, in one `lax.while_loop`; with
     a `mesh` the carry (cache, proposer state) stays pinned to its shardings."""
     pin = pinning(mesh, state.tokens.shape[0])
     with attention_mesh(mesh):
-        return pin(jax.lax.while_loop(
-            lambda st: jnp.any(~st.done),
-            lambda st: pin(spec_step(params, config, proposer, proposer_params, sampling, st,
-                                     max_new_tokens, eos_ids)),
-            pin(state)))
+        return pin(
+            jax.lax.while_loop(
+                lambda st: jnp.any(~st.done),
+                lambda st: pin(
+                    spec_step(params, config, proposer, proposer_params, sampling, st, max_new_tokens, eos_ids)
+                ),
+                pin(state),
+            )
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("proposer", "mesh"), donate_argnames=("pools",))
-def init_proposer(proposer: Proposer, proposer_params, pools, ctx: SpecContext, prompt_chunk,
-                  prompt_len, mesh=None):
+def init_proposer(proposer: Proposer, proposer_params, pools, ctx: SpecContext, prompt_chunk, prompt_len, mesh=None):
     """The proposer's state after prefill (jitted once per shape)."""
     pin = pinning(mesh, prompt_chunk.shape[0])
     with attention_mesh(mesh):

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 
 from specjax.attention import on_cpu_path
 from specjax.cache import PagedKVCache
-from specjax.config import ModelConfig
 from specjax.cpu.matmul import kernel_in_use
 from specjax.draft_tree import DraftTree, ancestor_mask, tree_positions
 from specjax.model import ForwardOutput, forward, write_new_kv
+from specjax.model_config import ModelConfig
 from specjax.sampling import argmax_last
 
 
@@ -26,9 +26,16 @@ class NodeKV(NamedTuple):
     written: jax.Array
 
 
-def verify(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree, *,
-           hidden_layers: Sequence[int] = (), defer_kv_write: bool = False,
-           written=None) -> ForwardOutput:
+def verify(
+    params,
+    config: ModelConfig,
+    cache: PagedKVCache,
+    tree: DraftTree,
+    *,
+    hidden_layers: Sequence[int] = (),
+    defer_kv_write: bool = False,
+    written=None,
+) -> ForwardOutput:
     """Target logits [B, T, V] at every node of the trees, in one pass.
 
     Node i's K/V goes to the scratch slot cache.lengths + i (after the committed prefix), its RoPE
@@ -37,9 +44,17 @@ def verify(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree, *,
     `model.forward`. written (bool[B, T], default all): nodes whose K/V is stored; the others
     are padding that no node sees.
     """
-    return forward(params, config, tree.tokens, tree_positions(tree, cache.lengths), cache,
-                   ancestor_mask(tree), valid=written, hidden_layers=hidden_layers,
-                   defer_kv_write=defer_kv_write)
+    return forward(
+        params,
+        config,
+        tree.tokens,
+        tree_positions(tree, cache.lengths),
+        cache,
+        ancestor_mask(tree),
+        valid=written,
+        hidden_layers=hidden_layers,
+        defer_kv_write=defer_kv_write,
+    )
 
 
 def padded_width(tree_size: int) -> int:
@@ -56,9 +71,13 @@ def padded_width(tree_size: int) -> int:
 def verify_widths(tree_size: int, likely: Sequence[int] = ()) -> tuple[int, ...]:
     """The static widths a tree of `tree_size` nodes may be verified at (see verify_pruned),
     with the `likely` ones (numbers of leading nodes the tree often has valid) among them."""
-    return tuple(sorted({1, padded_width(tree_size)}
-                        | {w for w in (4, 8, 16, 64) if w < tree_size}
-                        | {padded_width(w) for w in likely if 1 <= w < tree_size}))
+    return tuple(
+        sorted(
+            {1, padded_width(tree_size)}
+            | {w for w in (4, 8, 16, 64) if w < tree_size}
+            | {padded_width(w) for w in likely if 1 <= w < tree_size}
+        )
+    )
 
 
 def _to_width(x, w: int, value=0, axis: int = 1):
@@ -79,37 +98,58 @@ def _stacked_to_width(layers, w: int):
 
 def _resize(tree: DraftTree, w: int) -> DraftTree:
     """The trees' first w nodes, or the trees padded with invalid nodes to w."""
-    fit = lambda x, value=0: None if x is None else _to_width(x, w, value)  # noqa: E731
-    return DraftTree(fit(tree.tokens), fit(tree.parent, -1), fit(tree.depth),
-                     fit(tree.valid, False), fit(tree.draft_logprobs), fit(tree.acceptable, False))
+    fit = lambda x, value=0: None if x is None else _to_width(x, w, value)
+    return DraftTree(
+        fit(tree.tokens),
+        fit(tree.parent, -1),
+        fit(tree.depth),
+        fit(tree.valid, False),
+        fit(tree.draft_logprobs),
+        fit(tree.acceptable, False),
+    )
 
 
-def verify_pruned(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
-                  feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = (),
-                  defer_writes: bool = True):
+def verify_pruned(
+    params,
+    config: ModelConfig,
+    cache: PagedKVCache,
+    tree: DraftTree,
+    feature_layers: Sequence[int] = (),
+    likely_widths: Sequence[int] = (),
+    defer_writes: bool = True,
+):
     """`verify`, run only as wide as the batch's last valid node needs; (logits, hidden, cache)
     with every verified node's K/V in the cache's scratch slots (see `verify_pruned_kv`)."""
-    logits, hidden, cache, new_kv = verify_pruned_kv(params, config, cache, tree, feature_layers,
-                                                     likely_widths, defer_writes=defer_writes)
+    logits, hidden, cache, new_kv = verify_pruned_kv(
+        params, config, cache, tree, feature_layers, likely_widths, defer_writes=defer_writes
+    )
     if new_kv is not None:
         node = jnp.arange(tree.size, dtype=jnp.int32)
-        cache = write_new_kv(cache, (new_kv.keys, new_kv.values),
-                             cache.lengths[:, None] + node[None, :], new_kv.written)
+        cache = write_new_kv(
+            cache, (new_kv.keys, new_kv.values), cache.lengths[:, None] + node[None, :], new_kv.written
+        )
     return logits, hidden, cache
 
 
-def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: DraftTree,
-                     feature_layers: Sequence[int] = (), likely_widths: Sequence[int] = (),
-                     greedy_draws: bool = False, defer_writes: bool = True):
+def verify_pruned_kv(
+    params,
+    config: ModelConfig,
+    cache: PagedKVCache,
+    tree: DraftTree,
+    feature_layers: Sequence[int] = (),
+    likely_widths: Sequence[int] = (),
+    greedy_draws: bool = False,
+    defer_writes: bool = True,
+):
     """`verify`, run only as wide as the batch's last valid node needs.
 
-    A verify of T tokens costs up to ~2x a single-token pass on a CPU (small matrix products
-    turn compute-bound), so when no sequence drafted anything (Prompt-Lookup without a match)
-    the step costs what vanilla decoding costs. Nodes past the chosen width are invalid; their
-    logits and hidden states come back as zeros. Returns (logits [B, T, V], hidden [B, T, D],
-    cache, new_kv): the nodes' K/V are not written but returned (a `NodeKV`), so that `commit`
-    writes only the accepted path's (with defer_writes=False they are in the cache's scratch
-    slots and new_kv is None).
+    A verify of T tokens costs more than a single-token pass on a CPU (small matrix products
+    turn compute-bound; docs/benchmarks.md, "What one verify pass costs"), so when no sequence
+    drafted anything (Prompt-Lookup without a match) the step costs what vanilla decoding costs.
+    Nodes past the chosen width are invalid; their logits and hidden states come back as zeros.
+    Returns (logits [B, T, V], hidden [B, T, D], cache, new_kv): the nodes' K/V are not written
+    but returned (a `NodeKV`), so that `commit` writes only the accepted path's (with
+    defer_writes=False they are in the cache's scratch slots and new_kv is None).
     With `feature_layers` the hidden states are those layers' outputs concatenated (EAGLE-3's
     features) instead of the final normed state. `likely_widths`: numbers of leading
     nodes that are often all the valid ones (a proposer's `likely_widths`, e.g. the learned tree
@@ -133,14 +173,22 @@ def verify_pruned_kv(params, config: ModelConfig, cache: PagedKVCache, tree: Dra
     def run(w):
         def f(cache):
             written = None if w <= t else jnp.broadcast_to(jnp.arange(w) < t, (b, w))
-            out = verify(params, config, cache, _resize(tree, w), hidden_layers=feature_layers,
-                         defer_kv_write=defer, written=written)
+            out = verify(
+                params,
+                config,
+                cache,
+                _resize(tree, w),
+                hidden_layers=feature_layers,
+                defer_kv_write=defer,
+                written=written,
+            )
             hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
             scores = argmax_last(out.logits) if greedy_draws else out.logits
             outs = (_to_width(scores, t), _to_width(hidden, t))
             if not defer:
                 return outs + (out.cache,)
             return outs + (tuple(_stacked_to_width(kv, t) for kv in out.new_kv),)
+
         return f
 
     logits, hidden, out = jax.lax.switch(branch, [run(w) for w in widths], cache)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 # XLA:CPU flags for the tests: most of the suite's time is compiling, and the tests check what
 # programs compute, not how fast. Without LLVM's optimisation an EAGLE-2 decoding loop compiled
 # ~1.9x faster (docs/design.md, "Test suite time"). Users' programs keep XLA's defaults;
@@ -18,8 +17,9 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
 def xla_flags(devices: int | None = None) -> str:
     """XLA_FLAGS for a test's subprocess: the parent's flags (less any host device count), and
     `devices` host devices when given."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return " ".join(flags)
@@ -34,8 +34,7 @@ def pytest_configure(config):
     if os.environ.get("SPECJAX_TEST_XLA_DEFAULTS", "") not in ("1", "true", "yes"):
         present = os.environ.get("XLA_FLAGS", "").split()
         names = {f.split("=")[0] for f in present}
-        os.environ["XLA_FLAGS"] = " ".join(
-            present + [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in names])
+        os.environ["XLA_FLAGS"] = " ".join(present + [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in names])
     from specjax.compile_cache import MIN_COMPILE_SECONDS, enable_compile_cache
 
     path = enable_compile_cache()
@@ -151,9 +150,10 @@ def random_eagle2(cfg, target):
     layer = init_params(draft_cfg, key, scale=0.3)["layers"][0]
     del layer["attn_norm"]  # EAGLE's first layer has no input norm
     fc = {"kernel": 0.3 * jax.random.normal(key, (2 * cfg.hidden_size, cfg.hidden_size))}
-    return (EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=2),
-            {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
-             "lm_head": lm_head_weight(target)})
+    return (
+        EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=2),
+        {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"], "lm_head": lm_head_weight(target)},
+    )
 
 
 CHAT_TEMPLATE = (
@@ -162,9 +162,12 @@ CHAT_TEMPLATE = (
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
-    "The quick brown fox jumps over the lazy dog.", "What is the capital of France? Paris.",
-    "def add(a, b):\n    return a + b\n", "Summarize the following text in one sentence.",
-    "1 + 1 = 2, 2 + 2 = 4, 3 * 3 = 9", "Hello! How are you today? I am fine, thank you.",
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? Paris.",
+    "def add(a, b):\n    return a + b\n",
+    "Summarize the following text in one sentence.",
+    "1 + 1 = 2, 2 + 2 = 4, 3 * 3 = 9",
+    "Hello! How are you today? I am fine, thank you.",
 ] * 20
 
 
@@ -176,31 +179,53 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 300):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", unk_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
 
-def make_tiny_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, tokenizer: bool = True,
-                       **overrides):
+def make_tiny_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides):
     """Save a tiny random transformers model (llama, qwen2 or mistral) with save_pretrained."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     common.update(overrides)
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[kind]
     model = cls[1](cls[0](**common)).eval()
     model.save_pretrained(str(out_dir))
     if tokenizer:
@@ -212,7 +237,12 @@ def make_tiny_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, tokeni
 def tiny_llama(tmp_path_factory):
     """(directory, torch model) of a tiny random Llama with llama3 RoPE scaling and a tokenizer."""
     d = tmp_path_factory.mktemp("tiny_llama")
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     model = make_tiny_hf_model(d, "llama", rope_scaling=rope, tie_word_embeddings=True)
     return d, model

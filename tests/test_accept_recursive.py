@@ -24,9 +24,21 @@ from specjax import SamplingConfig
 from specjax.accept import accept, accept_recursive
 from specjax.draft_tree import DraftTree
 from specjax.sampling import categorical, gumbel_max_draw, gumbel_top_k, processed_logprobs
-from tests.test_accept_sampling import (DEPTH, N, P_BROKEN, P_OK, biased, chi2_power, chi2_pvalue,
-                                        exact_first_three, exact_first_two, jit_optimised, keys_of,
-                                        lookup, sample_first_three)
+from tests.test_accept_sampling import (
+    DEPTH,
+    P_BROKEN,
+    P_OK,
+    N,
+    biased,
+    chi2_power,
+    chi2_pvalue,
+    exact_first_three,
+    exact_first_two,
+    jit_optimised,
+    keys_of,
+    lookup,
+    sample_first_three,
+)
 
 V = 8
 K1, K2 = 3, 2  # root children, children of each
@@ -99,12 +111,11 @@ def tree_maker(sampling, draw=gumbel_top_k, certain=None):
                 tokens.append(kids[:, i])
                 valid.append(drawn[:, i] & valid[node])
                 logqs.append(logq)
-                prefixes.append(jnp.concatenate([prefixes[node], kids[:, i:i + 1]], 1))
+                prefixes.append(jnp.concatenate([prefixes[node], kids[:, i : i + 1]], 1))
         parent, depth = PARENT, DEPTH_OF
         if certain is not None:
             tok = jnp.argmax(lookup(p_table, ctx), -1).astype(jnp.int32)
-            shared = jnp.any(jnp.stack(tokens[1:1 + K1], 1) == tok[:, None]
-                             & jnp.stack(valid[1:1 + K1], 1), axis=1)
+            shared = jnp.any(jnp.stack(tokens[1 : 1 + K1], 1) == tok[:, None] & jnp.stack(valid[1 : 1 + K1], 1), axis=1)
             tokens.append(tok)
             valid.append(~shared)
             one_hot = jnp.where(jnp.arange(V) == tok[:, None], 0.0, -jnp.inf)
@@ -112,15 +123,18 @@ def tree_maker(sampling, draw=gumbel_top_k, certain=None):
             prefixes.append(jnp.concatenate([ctx, tok[:, None]], 1))
             parent, depth = np.append(PARENT, 0), np.append(DEPTH_OF, 1)
             if certain == "first":  # moved before the drawn root children
-                order = np.r_[0, len(parent) - 1, 1:len(parent) - 1]
-                tokens, valid, logqs, prefixes = ([x[i] for i in order] for x in
-                                                  (tokens, valid, logqs, prefixes))
+                order = np.r_[0, len(parent) - 1, 1 : len(parent) - 1]
+                tokens, valid, logqs, prefixes = ([x[i] for i in order] for x in (tokens, valid, logqs, prefixes))
                 parent = np.r_[-1, 0, np.where(PARENT[1:] > 0, PARENT[1:] + 1, 0)]
                 depth = depth[order]
         logits = jnp.stack([lookup(p_table, prefix) for prefix in prefixes], 1)
-        tree = DraftTree(tokens=jnp.stack(tokens, 1), parent=jnp.broadcast_to(parent, (n, len(parent))),
-                         depth=jnp.broadcast_to(depth, (n, len(parent))), valid=jnp.stack(valid, 1),
-                         draft_logprobs=jnp.stack(logqs, 1))
+        tree = DraftTree(
+            tokens=jnp.stack(tokens, 1),
+            parent=jnp.broadcast_to(parent, (n, len(parent))),
+            depth=jnp.broadcast_to(depth, (n, len(parent))),
+            valid=jnp.stack(valid, 1),
+            draft_logprobs=jnp.stack(logqs, 1),
+        )
         return tree, logits
 
     return make
@@ -141,8 +155,10 @@ def keep_q_after_rejection(p, q, x, p_node):
 def pvalues(tables, sampling, x1, x2, x3):
     """Chi-square p-values of (x1, x2) and of (x1, x2, x3) against the exact laws."""
     p_table, _ = tables
-    return (chi2_pvalue(x1, x2, exact_first_two(p_table, sampling)),
-            chi2_pvalue(x1 * V + x2, x3, exact_first_three(p_table, sampling).reshape(V * V, V)))
+    return (
+        chi2_pvalue(x1, x2, exact_first_two(p_table, sampling)),
+        chi2_pvalue(x1 * V + x2, x3, exact_first_three(p_table, sampling).reshape(V * V, V)),
+    )
 
 
 def conditional_pvalue(tables, sampling, x1, x2, x3):
@@ -164,8 +180,7 @@ def test_the_chi_square_has_power(tables):
     p < P_OK with probability above 0.8, by the noncentral chi-square."""
     p_table, _ = tables
     for sampling in (S_PLAIN, S_WARPED):
-        for joint in (exact_first_two(p_table, sampling),
-                      exact_first_three(p_table, sampling).reshape(V * V, V)):
+        for joint in (exact_first_two(p_table, sampling), exact_first_three(p_table, sampling).reshape(V * V, V)):
             assert chi2_power(joint, N, biased(joint)) > 0.8, sampling
 
 
@@ -187,11 +202,13 @@ def test_gumbel_top_k_draws_without_replacement():
         assert chi2_pvalue(a * V + b, c, exact.reshape(V * V, V)) > P_OK
         finite = np.isfinite(np.asarray(logq))
         assert (drawn == (np.arange(k) < finite.sum())).all()
-        assert finite[tokens[:, :finite.sum()]].all()
-        real = tokens[:, :finite.sum()]
+        assert finite[tokens[:, : finite.sum()]].all()
+        real = tokens[:, : finite.sum()]
         assert (np.diff(np.sort(real, axis=1), axis=1) > 0).all()  # distinct draws
     first = jax.jit(jax.vmap(lambda key: gumbel_max_draw(key, full)))(keys)
-    assert (np.asarray(first) == np.asarray(jax.jit(jax.vmap(lambda key: gumbel_top_k(key, full, 1)[0][0]))(keys))).all()
+    assert (
+        np.asarray(first) == np.asarray(jax.jit(jax.vmap(lambda key: gumbel_top_k(key, full, 1)[0][0]))(keys))
+    ).all()
 
 
 @pytest.mark.parametrize("sampling", [S_PLAIN, S_WARPED], ids=["T1", "T0.7-topk5-topp0.9"])
@@ -225,8 +242,7 @@ def test_a_certain_candidate_after_drawn_siblings(tables, certain):
     """A certain candidate (one-hot q) tried after the drawn siblings against the residual they
     leave, present only when they do not hold its token (the lookup graft's case): exact; the
     same node verified as one more draw from the siblings' q must fail."""
-    x1, x2, x3, n1 = sample_first_three(rule_recursive, tree_maker(S_PLAIN, certain=certain),
-                                        tables, S_PLAIN, seed=3)
+    x1, x2, x3, n1 = sample_first_three(rule_recursive, tree_maker(S_PLAIN, certain=certain), tables, S_PLAIN, seed=3)
     p12, p123 = pvalues(tables, S_PLAIN, x1, x2, x3)
     if certain == "last":
         assert min(p12, p123) > P_OK, (p12, p123)
@@ -237,8 +253,16 @@ def test_a_certain_candidate_after_drawn_siblings(tables, certain):
 def random_trees(rng):
     """5 trees of 7 nodes, random tokens and q: a chain, a bushy tree, one with invalid nodes, a
     lone root (the other nodes invalid), a star."""
-    parent = np.asarray([[-1, 0, 1, 2, 3, 4, 5], [-1, 0, 0, 0, 1, 1, 2], [-1, 0, 0, 1, 1, 2, 3],
-                         [-1, 0, 0, 0, 0, 0, 0], [-1, 0, 0, 0, 0, 0, 0]], np.int32)
+    parent = np.asarray(
+        [
+            [-1, 0, 1, 2, 3, 4, 5],
+            [-1, 0, 0, 0, 1, 1, 2],
+            [-1, 0, 0, 1, 1, 2, 3],
+            [-1, 0, 0, 0, 0, 0, 0],
+            [-1, 0, 0, 0, 0, 0, 0],
+        ],
+        np.int32,
+    )
     b, t = parent.shape
     valid = np.ones((b, t), bool)
     valid[2, [3, 5, 6]] = False
@@ -247,8 +271,13 @@ def random_trees(rng):
     for i in range(1, t):
         depth[:, i] = depth[np.arange(b), parent[:, i]] + 1
     logq = jax.nn.log_softmax(jnp.asarray(1.5 * rng.standard_normal((b, t, V)), jnp.float32))
-    return DraftTree(tokens=jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32), parent=jnp.asarray(parent),
-                     depth=jnp.asarray(depth), valid=jnp.asarray(valid), draft_logprobs=logq)
+    return DraftTree(
+        tokens=jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32),
+        parent=jnp.asarray(parent),
+        depth=jnp.asarray(depth),
+        valid=jnp.asarray(valid),
+        draft_logprobs=logq,
+    )
 
 
 def check_batched_rows_equal_single_rows(rule, seed: int):
@@ -264,11 +293,13 @@ def check_batched_rows_equal_single_rows(rule, seed: int):
         keys = keys_of(jax.random.PRNGKey(seed), b)
         res = run(tree, logits, keys, S_PLAIN)
         for i in range(b):
-            one = run(jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], tree), logits[i:i + 1],
-                      keys[i:i + 1], S_PLAIN)
-            for got, want in zip((res.path, res.n_accepted, res.next_token),
-                                 (one.path, one.n_accepted, one.next_token)):
-                np.testing.assert_array_equal(got[i:i + 1], want)
+            one = run(
+                jax.tree_util.tree_map(lambda a, i=i: a[i : i + 1], tree), logits[i : i + 1], keys[i : i + 1], S_PLAIN
+            )
+            for got, want in zip(
+                (res.path, res.n_accepted, res.next_token), (one.path, one.n_accepted, one.next_token)
+            ):
+                np.testing.assert_array_equal(got[i : i + 1], want)
         seen.append(np.asarray(res.n_accepted))
     seen = np.stack(seen)
     assert (seen[:, 3] == 0).all() and seen.max() >= 2 and (seen == 0).any()
@@ -288,12 +319,12 @@ def test_cpu_program_equals_gpu_program(rule, monkeypatch):
     b, t = tree.tokens.shape
     logits = jnp.asarray(2.0 * rng.standard_normal((b, t, V)), jnp.float32)
     child = (tree.parent >= 0) & tree.valid  # the drafted tokens made likely, so `match` accepts
-    logits = logits.at[jnp.arange(b)[:, None], jnp.clip(tree.parent, 0), tree.tokens].add(
-        jnp.where(child, 3.0, 0.0))
+    logits = logits.at[jnp.arange(b)[:, None], jnp.clip(tree.parent, 0), tree.tokens].add(jnp.where(child, 3.0, 0.0))
 
     def program():  # a new function each time, so that it is traced anew
         def run(k):
             return accept(tree, logits, k, S_PLAIN, rule)
+
         return jax.make_jaxpr(run)(keys_of(jax.random.PRNGKey(0), b)), jax.jit(run)
 
     results = {}
@@ -303,8 +334,7 @@ def test_cpu_program_equals_gpu_program(rule, monkeypatch):
         assert (" cond[" in str(jaxpr)) == on_cpu
         results[on_cpu] = [run(keys_of(jax.random.PRNGKey(n), b)) for n in range(8)]
     for cpu, gpu in zip(results[True], results[False]):
-        for got, want in zip((cpu.path, cpu.n_accepted, cpu.next_token),
-                             (gpu.path, gpu.n_accepted, gpu.next_token)):
+        for got, want in zip((cpu.path, cpu.n_accepted, cpu.next_token), (gpu.path, gpu.n_accepted, gpu.next_token)):
             np.testing.assert_array_equal(got, want)
     assert max(int(r.n_accepted.max()) for r in results[True]) >= 1
 
@@ -373,8 +403,16 @@ def test_static_trees_drawn_for_recursive_must_hold_first_draws():
     from specjax.proposers.lookup_graft import LookupGraftProposer
     from specjax.proposers.medusa import MC_SIM_7B_63, MedusaProposer
 
-    cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     medusa = MedusaProposer(vocab_size=V, medusa_choices=MC_SIM_7B_63, acceptance="recursive")
     assert medusa.rule == "recursive" and medusa.rules == ("match", "recursive", "traversal")
     assert EagleTreeProposer(cfg, rule="recursive").rules == ("match", "recursive", "traversal")

@@ -30,8 +30,7 @@ import pytest
 from scipy import stats
 
 import specjax.accept as accept_mod
-from specjax import (Engine, ModelConfig, PagedKVCache, SamplingConfig, causal_mask, forward,
-                     init_params)
+from specjax import Engine, ModelConfig, PagedKVCache, SamplingConfig, causal_mask, forward, init_params
 from specjax.accept import AcceptResult, accept
 from specjax.cache import init_pages
 from specjax.draft_tree import DraftTree, chain, static_tree
@@ -40,10 +39,26 @@ from specjax.sampling import processed_logprobs
 from specjax.spec_decode import appended_tokens
 
 V = 16
-CFG = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-DRAFT_CFG = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
-                        num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+CFG = ModelConfig(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+DRAFT_CFG = ModelConfig(
+    vocab_size=V,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 # Ends with "1 5", seen before: Prompt-Lookup drafts "9 2 6" at the first step.
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 1, 5]
 DEPTH = 3  # continuations tabulated
@@ -54,17 +69,26 @@ BIAS = 0.02  # every cell's probability off by this factor, alternating up and d
 
 def _continuation_logits(params, cfg):
     """float32[V, V, V, DEPTH + 1, V]: logits after PROMPT + (a, b, c)[:j] at [a, b, c, j]."""
-    rows = V ** DEPTH
+    rows = V**DEPTH
     conts = np.asarray(list(itertools.product(range(V), repeat=DEPTH)), np.int32)
     tokens = np.concatenate([np.broadcast_to(PROMPT, (rows, len(PROMPT))), conts], 1)
     width = tokens.shape[1]
     k, v = init_pages(cfg, rows, 16)
-    cache = PagedKVCache(k, v, jnp.arange(rows, dtype=jnp.int32)[:, None],
-                         jnp.zeros((rows,), jnp.int32))
+    cache = PagedKVCache(k, v, jnp.arange(rows, dtype=jnp.int32)[:, None], jnp.zeros((rows,), jnp.int32))
     at = jnp.broadcast_to(jnp.arange(len(PROMPT) - 1, width, dtype=jnp.int32), (rows, DEPTH + 1))
-    out = jax.jit(lambda p: forward(p, cfg, jnp.asarray(tokens),
-                                    jnp.broadcast_to(jnp.arange(width), (rows, width)), cache,
-                                    causal_mask(rows, width), logits_at=at).logits)(params)
+    out = jax.jit(
+        lambda p: (
+            forward(
+                p,
+                cfg,
+                jnp.asarray(tokens),
+                jnp.broadcast_to(jnp.arange(width), (rows, width)),
+                cache,
+                causal_mask(rows, width),
+                logits_at=at,
+            ).logits
+        )
+    )(params)
     return out.reshape((V,) * DEPTH + (DEPTH + 1, V))
 
 
@@ -201,10 +225,14 @@ def chain_maker(k, sampling, sample_q):
                 d = jnp.argmax(q_logits, -1).astype(jnp.int32)
             drafts.append(d)
             cur = jnp.concatenate([cur, d[:, None]], 1)
-        logits = jnp.stack([lookup(p_table, cur[:, :ctx.shape[1] + j]) for j in range(k + 1)], 1)
+        logits = jnp.stack([lookup(p_table, cur[:, : ctx.shape[1] + j]) for j in range(k + 1)], 1)
         n = ctx.shape[0]
-        tree = chain(jnp.zeros((n,), jnp.int32), jnp.stack(drafts, 1), jnp.full((n,), k, jnp.int32),
-                     jnp.stack(logqs, 1) if sample_q else None)
+        tree = chain(
+            jnp.zeros((n,), jnp.int32),
+            jnp.stack(drafts, 1),
+            jnp.full((n,), k, jnp.int32),
+            jnp.stack(logqs, 1) if sample_q else None,
+        )
         return tree, logits
 
     return make
@@ -232,8 +260,12 @@ def tree_maker():
             tokens.append(tok)
             paths.append(jnp.concatenate([base, tok[:, None]], 1))
         logits = jnp.stack([lookup(p_table, p) for p in paths], 1)
-        tree = DraftTree(tokens=jnp.stack(tokens, 1), parent=jnp.broadcast_to(parent, (n, t)),
-                         depth=jnp.broadcast_to(depth, (n, t)), valid=jnp.ones((n, t), bool))
+        tree = DraftTree(
+            tokens=jnp.stack(tokens, 1),
+            parent=jnp.broadcast_to(parent, (n, t)),
+            depth=jnp.broadcast_to(depth, (n, t)),
+            valid=jnp.ones((n, t), bool),
+        )
         return tree, logits
 
     return make
@@ -283,11 +315,13 @@ def sample_first_three(rule, make, tabs, sampling, seed):
         res2 = rule(tree2, logits2, keys_of(k4, N), sampling)
         out2 = emitted(tree2, res2)
         x2 = jnp.where(res1.n_accepted >= 1, out1[:, 1], out2[:, 0])
-        plain = jax.vmap(jax.random.categorical)(keys_of(k5, N), processed_logprobs(
-            lookup(p_table, jnp.stack([x1, x2], 1)), sampling)).astype(jnp.int32)
+        plain = jax.vmap(jax.random.categorical)(
+            keys_of(k5, N), processed_logprobs(lookup(p_table, jnp.stack([x1, x2], 1)), sampling)
+        ).astype(jnp.int32)
         third1 = out1[:, 2] if out1.shape[1] > 2 else plain
-        x3 = jnp.where(res1.n_accepted >= 2, third1,
-                       jnp.where((res1.n_accepted == 0) & (res2.n_accepted >= 1), out2[:, 1], plain))
+        x3 = jnp.where(
+            res1.n_accepted >= 2, third1, jnp.where((res1.n_accepted == 0) & (res2.n_accepted >= 1), out2[:, 1], plain)
+        )
         return x1, x2, x3, res1.n_accepted
 
     return tuple(np.asarray(a) for a in run(jax.random.PRNGKey(seed), tabs))
@@ -450,18 +484,17 @@ def _tree_proposer(method, target):
         from specjax.proposers.medusa import MedusaProposer
 
         # traversal: each depth under one parent (a head's draws are shared by a depth's parents)
-        choices = (((0, 0), (0, 1), (1,), (2,)) if "traversal" in method
-                   else ((0, 0), (0, 1), (1, 0), (2,), (3,)))
-        proposer = MedusaProposer(num_heads=2, vocab_size=V, own_lm_head=False,
-                                  medusa_choices=choices, acceptance=_rule_of(method))
+        choices = ((0, 0), (0, 1), (1,), (2,)) if "traversal" in method else ((0, 0), (0, 1), (1, 0), (2,), (3,))
+        proposer = MedusaProposer(
+            num_heads=2, vocab_size=V, own_lm_head=False, medusa_choices=choices, acceptance=_rule_of(method)
+        )
         heads = proposer.init_params(key, CFG.hidden_size, lm_head_weight(target))
         heads = jax.tree_util.tree_map(lambda a: a + 0.3 * jax.random.normal(key, a.shape), heads)
         return proposer, {"heads": heads, "lm_head": lm_head_weight(target)}
     if method == "redrafter":  # beams sampled at the request's temperature
         from specjax.proposers.redrafter import ReDrafterProposer
 
-        p = ReDrafterProposer(CFG.hidden_size, V, num_beams=3, draft_len_per_beam=2,
-                              greedy_search=False)
+        p = ReDrafterProposer(CFG.hidden_size, V, num_beams=3, draft_len_per_beam=2, greedy_search=False)
         return p, {"drafter": p.init_params(key, scale=3.0), "embed": target["embed"]}
     if method.startswith("eagle3"):  # a random EAGLE-3 head through its checkpoint loader
         import tempfile
@@ -473,9 +506,15 @@ def _tree_proposer(method, target):
 
         model = Model(target, CFG, Path(tempfile.mkdtemp(prefix="sampling-eagle3-")), CFG.to_hf())
         random_head_checkpoint("eagle3", model, model.path / "eagle3")
-        return make_proposer("eagle3", model, heads=str(model.path / "eagle3"), eagle_total_tokens=8,
-                             eagle_depth=2, eagle_top_k=3,
-                             acceptance="recursive" if method.endswith("recursive") else "match")
+        return make_proposer(
+            "eagle3",
+            model,
+            heads=str(model.path / "eagle3"),
+            eagle_total_tokens=8,
+            eagle_depth=2,
+            eagle_top_k=3,
+            acceptance="recursive" if method.endswith("recursive") else "match",
+        )
     import dataclasses
 
     from specjax.proposers.eagle import EagleDynamicProposer, EagleTreeProposer
@@ -485,20 +524,15 @@ def _tree_proposer(method, target):
     del layer["attn_norm"]
     fc = {"kernel": 0.3 * jax.random.normal(key, (2 * CFG.hidden_size, CFG.hidden_size))}
     eagle_choices = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
-    proposer = {"eagle": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices),
-                "eagle-recursive": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices,
-                                                     rule="recursive"),
-                "eagle-traversal": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices,
-                                                     rule="traversal"),
-                "eagle2-traversal": EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2,
-                                                         top_k=3, rule="traversal"),
-                "eagle2-floor": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3,
-                                                     min_prob=0.05),
-                "eagle2-recursive": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2,
-                                                         top_k=3, rule="recursive"),
-                }.get(method, EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3))
-    return proposer, {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"],
-                      "lm_head": lm_head_weight(target)}
+    proposer = {
+        "eagle": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices),
+        "eagle-recursive": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices, rule="recursive"),
+        "eagle-traversal": EagleTreeProposer(draft_cfg, eagle_choices=eagle_choices, rule="traversal"),
+        "eagle2-traversal": EagleDynamicProposer(draft_cfg, total_tokens=5, depth=2, top_k=3, rule="traversal"),
+        "eagle2-floor": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3, min_prob=0.05),
+        "eagle2-recursive": EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3, rule="recursive"),
+    }.get(method, EagleDynamicProposer(draft_cfg, total_tokens=8, depth=2, top_k=3))
+    return proposer, {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"], "lm_head": lm_head_weight(target)}
 
 
 def _eagle_chain_oracle(target):
@@ -521,23 +555,40 @@ def _eagle_chain_oracle(target):
     d = CFG.hidden_size
     fc = {"kernel": jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], 0)}
     proposer = EagleChainProposer(CFG, max_draft_len=2)
-    return target, proposer, {"net": {"fc": fc, "layers": layers}, "embed": embed,
-                              "lm_head": lm_head_weight(target)}
+    return target, proposer, {"net": {"fc": fc, "layers": layers}, "embed": embed, "lm_head": lm_head_weight(target)}
 
 
 # The default tier runs every proposer and every rule once, with the sampling default (EAGLE-2,
 # `recursive`, the graft); the other pairings are `slow` (~45 s each on a 2-core guest).
 # draft-greedy is `slow`: the match rule over greedy chains is proven at 2**18 by
 # test_match_rule_with_greedy_drafts_is_lossless, the draft model end to end by draft-residual.
-E2E_METHODS = ["pld", "draft-residual", "eagle-recursive", "eagle2-floor",
-               "eagle2-recursive-lookup", "eagle2-traversal-lookup", "eagle3-recursive",
-               "medusa-recursive", "redrafter", "eagle-chain"]
-E2E_SLOW = ["draft-greedy", "medusa", "eagle", "eagle2", "eagle3", "eagle2-lookup",
-            "eagle2-recursive", "medusa-recursive-lookup", "eagle-traversal", "medusa-traversal"]
+E2E_METHODS = [
+    "pld",
+    "draft-residual",
+    "eagle-recursive",
+    "eagle2-floor",
+    "eagle2-recursive-lookup",
+    "eagle2-traversal-lookup",
+    "eagle3-recursive",
+    "medusa-recursive",
+    "redrafter",
+    "eagle-chain",
+]
+E2E_SLOW = [
+    "draft-greedy",
+    "medusa",
+    "eagle",
+    "eagle2",
+    "eagle3",
+    "eagle2-lookup",
+    "eagle2-recursive",
+    "medusa-recursive-lookup",
+    "eagle-traversal",
+    "medusa-traversal",
+]
 
 
-@pytest.mark.parametrize("method", E2E_METHODS + [pytest.param(m, marks=pytest.mark.slow)
-                                                  for m in E2E_SLOW])
+@pytest.mark.parametrize("method", E2E_METHODS + [pytest.param(m, marks=pytest.mark.slow) for m in E2E_SLOW])
 def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     """Each method through Engine.generate, 20480 seeds: the first two tokens against the
     target's distribution; then, as a control, the same run with the first draft emitted
@@ -578,8 +629,15 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     first, second, steps = [], [], []
     for call in range(E2E_CALLS):
         seeds = list(range(call * E2E_BATCH, (call + 1) * E2E_BATCH))
-        out = eng.generate([PROMPT] * E2E_BATCH, 2, sampling=sampling, seeds=seeds,
-                           eos_token_ids=(), proposer=proposer, proposer_params=params)
+        out = eng.generate(
+            [PROMPT] * E2E_BATCH,
+            2,
+            sampling=sampling,
+            seeds=seeds,
+            eos_token_ids=(),
+            proposer=proposer,
+            proposer_params=params,
+        )
         first += [t[0] for t in out.token_ids]
         second += [t[1] for t in out.token_ids]
         steps += out.steps
@@ -592,8 +650,14 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     jax.clear_caches()  # the step is traced again, with the broken rule
     try:
         out = Engine(target, CFG, num_pages=2 * E2E_BATCH + 8, page_size=16).generate(
-            [PROMPT] * E2E_BATCH, 2, sampling=sampling, seeds=list(range(E2E_BATCH)),
-            eos_token_ids=(), proposer=proposer, proposer_params=params)
+            [PROMPT] * E2E_BATCH,
+            2,
+            sampling=sampling,
+            seeds=list(range(E2E_BATCH)),
+            eos_token_ids=(),
+            proposer=proposer,
+            proposer_params=params,
+        )
     finally:
         monkeypatch.undo()
         jax.clear_caches()

@@ -14,10 +14,19 @@ import pytest
 
 import specjax.accept as accept_mod
 from specjax.accept import accept, accept_traversal
-from tests.test_accept_recursive import (S_PLAIN, S_WARPED, V, accepted_on_same_trees,
-                                         check_batched_rows_equal_single_rows, conditional_pvalue,
-                                         keep_q_after_rejection, pvalues, tables, tree_maker)
-from tests.test_accept_sampling import N, P_BROKEN, P_OK, sample_first_three
+from tests.test_accept_recursive import (
+    S_PLAIN,
+    S_WARPED,
+    V,
+    accepted_on_same_trees,
+    check_batched_rows_equal_single_rows,
+    conditional_pvalue,
+    keep_q_after_rejection,
+    pvalues,
+    tables,
+    tree_maker,
+)
+from tests.test_accept_sampling import P_BROKEN, P_OK, N, sample_first_three
 
 __all__ = ["tables"]  # the module fixture, shared
 
@@ -30,8 +39,7 @@ def rule_traversal(tree, logits, keys, sampling):
 def test_traversal_rule_is_lossless(tables, sampling):
     """(x1, x2), (x1, x2, x3) and the bonus after two accepted drafts against the target's law;
     both the accept-at-once and the rejected-then-reached paths are exercised."""
-    x1, x2, x3, n1 = sample_first_three(rule_traversal, tree_maker(sampling), tables, sampling,
-                                        seed=21)
+    x1, x2, x3, n1 = sample_first_three(rule_traversal, tree_maker(sampling), tables, sampling, seed=21)
     assert (n1 == 0).mean() > 0.01 and (n1 == 2).mean() > 0.05, np.bincount(n1) / N
     p12, p123 = pvalues(tables, sampling, x1, x2, x3)
     two = n1 == 2
@@ -42,8 +50,7 @@ def test_traversal_rule_is_lossless(tables, sampling):
 def test_traversal_with_a_certain_candidate_after_drawn_siblings(tables):
     """The lookup graft's kind of node (one-hot q, after the drawn root children, present only
     when they do not hold its token): still exact."""
-    x1, x2, x3, _ = sample_first_three(rule_traversal, tree_maker(S_PLAIN, certain="last"),
-                                       tables, S_PLAIN, seed=22)
+    x1, x2, x3, _ = sample_first_three(rule_traversal, tree_maker(S_PLAIN, certain="last"), tables, S_PLAIN, seed=22)
     p12, p123 = pvalues(tables, S_PLAIN, x1, x2, x3)
     assert min(p12, p123) > P_OK, (p12, p123)
 
@@ -62,12 +69,13 @@ def one_weight(mass, a):
 def test_broken_traversal_rules_fail(tables, broken, monkeypatch):
     """q' kept after a rejection, or the rejected node's parent keeping its weight, or its weight
     reset to 1: each biases the output, and the test sees it."""
-    patch = {"keep-q": ("_after_rejection", keep_q_after_rejection),
-             "keep-weight": ("_weight_after_rejection", keep_weight),
-             "weight-one": ("_weight_after_rejection", one_weight)}[broken]
+    patch = {
+        "keep-q": ("_after_rejection", keep_q_after_rejection),
+        "keep-weight": ("_weight_after_rejection", keep_weight),
+        "weight-one": ("_weight_after_rejection", one_weight),
+    }[broken]
     monkeypatch.setattr(accept_mod, *patch)
-    x1, x2, x3, _ = sample_first_three(rule_traversal, tree_maker(S_PLAIN), tables, S_PLAIN,
-                                       seed=23)
+    x1, x2, x3, _ = sample_first_three(rule_traversal, tree_maker(S_PLAIN), tables, S_PLAIN, seed=23)
     p12, p123 = pvalues(tables, S_PLAIN, x1, x2, x3)
     assert min(p12, p123) < P_BROKEN, (p12, p123)
 
@@ -93,8 +101,16 @@ def test_traversal_only_where_subtrees_are_drawn_apart():
     from specjax.proposers.eagle import EAGLE_DEFAULT_TREE, EagleDynamicProposer, EagleTreeProposer
     from specjax.proposers.medusa import MC_SIM_7B_63, MedusaProposer
 
-    cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     assert EagleTreeProposer(cfg, eagle_choices=EAGLE_DEFAULT_TREE, rule="traversal").rule == "traversal"
     for total, depth, top_k in ((4, 2, 2), (5, 2, 3), (6, 5, 1)):
         EagleDynamicProposer(cfg, total_tokens=total, depth=depth, top_k=top_k, rule="traversal")

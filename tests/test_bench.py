@@ -14,15 +14,16 @@ from specjax.cli import main
 @pytest.fixture()
 def prompt_file(tmp_path):
     f = tmp_path / "prompts.jsonl"
-    recs = [{"category": "code", "turns": ["def add(a, b):"]},
-            {"category": "chat", "prompt": "The quick brown fox"},
-            {"category": "chat", "turns": ["Hello! How are you today?"]}]
+    recs = [
+        {"category": "code", "turns": ["def add(a, b):"]},
+        {"category": "chat", "prompt": "The quick brown fox"},
+        {"category": "chat", "turns": ["Hello! How are you today?"]},
+    ]
     f.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     return f
 
 
-def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path, capsys,
-                                             monkeypatch):
+def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path, capsys, monkeypatch):
     from specjax.generate import Engine
 
     timed = []  # every timed run prefills its whole prompt: none reuses another run's pages
@@ -35,19 +36,33 @@ def test_tiny_bench_writes_consistent_outputs(tiny_llama, prompt_file, tmp_path,
 
     monkeypatch.setattr(Engine, "generate", spy)
     out = tmp_path / "bench"
-    args = ["bench", "--model", str(tiny_llama[0]), "--methods", "vanilla,pld:prompt_lookup_num_tokens=3",
-            "--prompts", str(prompt_file), "--max-new-tokens", "12", "--out", str(out),
-            "--peers", "hf"]
+    args = [
+        "bench",
+        "--model",
+        str(tiny_llama[0]),
+        "--methods",
+        "vanilla,pld:prompt_lookup_num_tokens=3",
+        "--prompts",
+        str(prompt_file),
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+        "--peers",
+        "hf",
+    ]
     assert main(args) == 0
     res = json.loads((out / "results.json").read_text())
     assert (out / "results.png").stat().st_size > 1000
     peers = [r for r in res["rows"] if r["library"] == "transformers"]
     assert {(r["category"], r["method"]) for r in peers} == {
-        (c, m) for c in ("code", "chat") for m in ("hf-vanilla", "hf-pld", "hf-assisted")}
+        (c, m) for c in ("code", "chat") for m in ("hf-vanilla", "hf-pld", "hf-assisted")
+    }
     assert all(r["speedup_vs_own_vanilla"] == 1.0 for r in peers if r["method"] == "hf-vanilla")
     rows = [r for r in res["rows"] if r["library"] == "specjax"]
     assert {(r["category"], r["method"]) for r in rows} == {
-        (c, m) for c in ("code", "chat") for m in ("vanilla", "pld:prompt_lookup_num_tokens=3")}
+        (c, m) for c in ("code", "chat") for m in ("vanilla", "pld:prompt_lookup_num_tokens=3")
+    }
     for r in rows:
         assert r["tokens_per_s"] > 0
         assert r["greedy_equals_vanilla"] == f"{r['prompts']}/{r['prompts']}"
@@ -86,26 +101,52 @@ def test_resume_reruns_a_record_whose_prompt_changed(tiny_llama, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"category": "chat", "prompt": t}) + "\n" for t in texts))
     out = tmp_path / "bench"
-    args = ["bench", "--model", str(tiny_llama[0]), "--methods", "vanilla", "--prompts", str(f),
-            "--max-new-tokens", "4", "--out", str(out)]
+    args = [
+        "bench",
+        "--model",
+        str(tiny_llama[0]),
+        "--methods",
+        "vanilla",
+        "--prompts",
+        str(f),
+        "--max-new-tokens",
+        "4",
+        "--out",
+        str(out),
+    ]
     assert main(args + ["--limit", "2"]) == 0  # texts 0 and 2, as indices 0 and 1
     assert main(args) == 0  # all four: index 0 reused, 1 (now text 1) run again, 2 and 3 new
     recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert [r["index"] for r in recs] == [0, 1, 1, 2, 3]
-    assert {r["index"]: r["prompt_sha"] for r in recs} == {
-        i: prompt_sha({"text": t}) for i, t in enumerate(texts)}
+    assert {r["index"]: r["prompt_sha"] for r in recs} == {i: prompt_sha({"text": t}) for i, t in enumerate(texts)}
     res = json.loads((out / "results.json").read_text())
     assert [r["prompts"] for r in res["rows"]] == [4]
 
 
-def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file, tmp_path,
-                                                          capsys):
+def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file, tmp_path, capsys):
     """--temperature/--top-p: every method samples; rows say nothing of equal outputs; the
     same seed gives the same tokens, another seed other tokens."""
+
     def run(out, seed):
-        args = ["bench", "--model", str(tiny_llama[0]), "--methods", "vanilla,pld",
-                "--prompts", str(prompt_file), "--max-new-tokens", "16", "--out", str(out),
-                "--temperature", "1.0", "--top-p", "0.9", "--seed", str(seed)]
+        args = [
+            "bench",
+            "--model",
+            str(tiny_llama[0]),
+            "--methods",
+            "vanilla,pld",
+            "--prompts",
+            str(prompt_file),
+            "--max-new-tokens",
+            "16",
+            "--out",
+            str(out),
+            "--temperature",
+            "1.0",
+            "--top-p",
+            "0.9",
+            "--seed",
+            str(seed),
+        ]
         assert main(args) == 0
         res = json.loads((out / "results.json").read_text())
         recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
@@ -118,14 +159,32 @@ def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file
     assert run(tmp_path / "b", 3)[1] == a
     before = (tmp_path / "a" / "records.jsonl").read_text()
     capsys.readouterr()
-    assert main(["bench", "--model", str(tiny_llama[0]), "--prompts", str(prompt_file),
-                 "--out", str(tmp_path / "a"), "--max-new-tokens", "16", "--temperature", "1.0",
-                 "--top-p", "0.9", "--seed", "4"]) != 0  # seed-3 records there: no silent mix
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(tiny_llama[0]),
+                "--prompts",
+                str(prompt_file),
+                "--out",
+                str(tmp_path / "a"),
+                "--max-new-tokens",
+                "16",
+                "--temperature",
+                "1.0",
+                "--top-p",
+                "0.9",
+                "--seed",
+                "4",
+            ]
+        )
+        != 0
+    )  # seed-3 records there: no silent mix
     assert "other settings (seed 3 -> 4)" in capsys.readouterr().err
     assert (tmp_path / "a" / "records.jsonl").read_text() == before
     assert run(tmp_path / "c", 4)[1] != a
-    assert main(["bench", "--prompts", str(prompt_file), "--out", str(tmp_path / "d"),
-                 "--temperature", "-1"]) != 0
+    assert main(["bench", "--prompts", str(prompt_file), "--out", str(tmp_path / "d"), "--temperature", "-1"]) != 0
     assert "--temperature must be >= 0" in capsys.readouterr().err
 
 
@@ -160,9 +219,17 @@ def test_forward_cost_benchmark_on_a_tiny_model():
     spec = importlib.util.spec_from_file_location("bench_forward_cost", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-                      eos_token_ids=())
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_ids=(),
+    )
     model = SimpleNamespace(params=init_params(cfg, jax.random.PRNGKey(0), scale=0.3), config=cfg)
     rows = mod.measure(model, [1, 4], context=20, iters=2)
     assert [r["width"] for r in rows] == [1, 4] and rows[0]["cost_vs_width_1"] == 1.0
@@ -206,11 +273,12 @@ def test_step_profile_attributes_ops_to_phases(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     (tmp_path / "module_0001.jit_spec_loop.cpu_after_optimizations.txt").write_text(
-        '  %ffi_call.7 = f32[4,9]{1,0} custom-call(%a, %b), metadata={op_name='
+        "  %ffi_call.7 = f32[4,9]{1,0} custom-call(%a, %b), metadata={op_name="
         '"jit(spec_loop)/while/body/verify/cond/branch_1_fun/ffi_call" stack_frame_id=3}\n'
-        '  ROOT %fusion.2 = f32[2]{0} fusion(%c), metadata={op_name='
+        "  ROOT %fusion.2 = f32[2]{0} fusion(%c), metadata={op_name="
         '"jit(spec_loop)/while/body/propose/while/body/dot_general"}\n'
-        '  %add.1 = f32[2]{0} add(%d, %e)\n')
+        "  %add.1 = f32[2]{0} add(%d, %e)\n"
+    )
     scopes = mod.op_scopes(str(tmp_path))
     assert set(scopes) == {"ffi_call.7", "fusion.2"}
     assert [mod.phase_of(scopes[k]) for k in ("ffi_call.7", "fusion.2")] == ["verify", "propose"]
@@ -223,31 +291,39 @@ def test_decode_speedup_leaves_out_the_shared_prefill():
     from specjax.bench import summarize
 
     def rec(method, index, seconds, prefill, steps):
-        r = {"category": "chat", "index": index, "method": method, "tokens": 10,
-             "seconds": seconds, "steps": steps, "token_ids": [1] * 10}
+        r = {
+            "category": "chat",
+            "index": index,
+            "method": method,
+            "tokens": 10,
+            "seconds": seconds,
+            "steps": steps,
+            "token_ids": [1] * 10,
+        }
         if prefill is not None:
             r["prefill_seconds"] = prefill
         return r
 
     prompts = [{"category": "chat", "index": i} for i in (0, 1)]
-    recs = [rec("vanilla", 0, 3.0, 1.0, 10), rec("vanilla", 1, 5.0, 1.0, 10),
-            rec("eagle2", 0, 2.0, 1.0, 4), rec("eagle2", 1, 3.0, 1.0, 5)]
-    rows = summarize({(r["category"], r["index"], r["method"]): r for r in recs}, prompts,
-                     ["vanilla", "eagle2"])
+    recs = [
+        rec("vanilla", 0, 3.0, 1.0, 10),
+        rec("vanilla", 1, 5.0, 1.0, 10),
+        rec("eagle2", 0, 2.0, 1.0, 4),
+        rec("eagle2", 1, 3.0, 1.0, 5),
+    ]
+    rows = summarize({(r["category"], r["index"], r["method"]): r for r in recs}, prompts, ["vanilla", "eagle2"])
     van, eagle = rows
     assert van["decode_tokens_per_s"] == round(20 / 6, 2) and van["decode_speedup_vs_vanilla"] == 1.0
     assert eagle["decode_tokens_per_s"] == round(20 / 3, 2) and eagle["decode_speedup_vs_vanilla"] == 2.0
     assert eagle["speedup_vs_vanilla"] == round((20 / 5) / (20 / 8), 3)  # whole requests: 1.6x
     old = [dict(r) for r in recs]
     del old[3]["prefill_seconds"]
-    rows = summarize({(r["category"], r["index"], r["method"]): r for r in old}, prompts,
-                     ["vanilla", "eagle2"])
+    rows = summarize({(r["category"], r["index"], r["method"]): r for r in old}, prompts, ["vanilla", "eagle2"])
     assert rows[1]["decode_tokens_per_s"] is None and rows[1]["decode_speedup_vs_vanilla"] is None
     assert rows[1]["speedup_vs_vanilla"] == 1.6
 
 
-def test_bench_keeps_compiled_programs_until_its_memory_limit(tiny_llama, prompt_file, tmp_path,
-                                                               monkeypatch):
+def test_bench_keeps_compiled_programs_until_its_memory_limit(tiny_llama, prompt_file, tmp_path, monkeypatch):
     """Programs are dropped between prompts only above keep_programs_gib or near the kernel's
     memory-mapping limit; either way the records are the same tokens."""
     import jax
@@ -261,8 +337,15 @@ def test_bench_keeps_compiled_programs_until_its_memory_limit(tiny_llama, prompt
     monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(1), real())[1])
 
     def tokens(out, limit):
-        run_bench(str(tiny_llama[0]), ["vanilla", "pld"], prompt_file, out, max_new_tokens=8,
-                  progress=False, keep_programs_gib=limit)
+        run_bench(
+            str(tiny_llama[0]),
+            ["vanilla", "pld"],
+            prompt_file,
+            out,
+            max_new_tokens=8,
+            progress=False,
+            keep_programs_gib=limit,
+        )
         recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
         return {(r["category"], r["index"], r["method"]): r["token_ids"] for r in recs}
 
@@ -287,8 +370,10 @@ def test_mapping_share_reads_this_process():
 def test_plot_labels_wrap_at_option_separators():
     from specjax.bench import _wrapped
 
-    label = ("eagle2:lookup_tokens=6:min_matching_ngram_size=2:eagle_draft_vocab=4096:"
-             "lookup_width=14:eagle_total_tokens=12:eagle_depth=4:eagle_top_k=3")
+    label = (
+        "eagle2:lookup_tokens=6:min_matching_ngram_size=2:eagle_draft_vocab=4096:"
+        "lookup_width=14:eagle_total_tokens=12:eagle_depth=4:eagle_top_k=3"
+    )
     lines = _wrapped(label, width=40).split("\n")
     assert "".join(lines) == label and len(lines) > 1
     assert all(len(line) <= 40 for line in lines)

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import gpu_check  # noqa: E402
+import gpu_check
 
-from specjax.attention import use_attention_backend  # noqa: E402
-from specjax import Engine  # noqa: E402
+from specjax import Engine
+from specjax.attention import use_attention_backend
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +30,19 @@ def run(target, backend, method):
         engine = Engine(target.params, gpu_check.TINY, num_pages=96, page_size=16)
         assert engine.k_pages[0].dtype == jnp.bfloat16
         proposer, pparams = gpu_check.method_proposer(method, target)
-        return engine.generate(gpu_check.PROMPTS, 12, eos_token_ids=(), proposer=proposer,
-                               proposer_params=pparams).token_ids
+        return engine.generate(
+            gpu_check.PROMPTS, 12, eos_token_ids=(), proposer=proposer, proposer_params=pparams
+        ).token_ids
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,method", [
-    *[("xla", m) for m in gpu_check.METHODS if m != "vanilla"], ("pallas-interpret", "eagle2"),
-])
+@pytest.mark.parametrize(
+    "backend,method",
+    [
+        *[("xla", m) for m in gpu_check.METHODS if m != "vanilla"],
+        ("pallas-interpret", "eagle2"),
+    ],
+)
 def test_greedy_equals_bfloat16_vanilla(target, backend, method):
     """Against vanilla decoding on the same attention backend (the kernel's bfloat16 sums run
     in another order than the reference's, which may part the two on a near-tie)."""

@@ -10,8 +10,17 @@ import pytest
 from specjax import CacheFullError, Engine, ModelConfig, PageAllocator, PagedKVCache, causal_mask, forward, init_params
 from specjax.cache import block_table_array, init_pages
 
-CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_ids=())
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    eos_token_ids=(),
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +122,7 @@ def test_prefix_reuse_gives_identical_logits(params):
     # Another sequence shares the first two pages (8 tokens) and only computes the rest.
     table2 = jnp.asarray(block_table_array([[3, 7, 0, 2, 4, 6]], 6, 16))
     cache2 = PagedKVCache(full.cache.k_pages, full.cache.v_pages, table2, jnp.asarray([8], jnp.int32))
-    part = forward(params, CFG, jnp.asarray(tokens[None, 8:]), jnp.arange(8, 20)[None], cache2,
-                   causal_mask(1, 12))
+    part = forward(params, CFG, jnp.asarray(tokens[None, 8:]), jnp.arange(8, 20)[None], cache2, causal_mask(1, 12))
     np.testing.assert_array_equal(np.asarray(part.logits[0]), np.asarray(full.logits[0, 8:]))
 
 
@@ -149,8 +157,7 @@ def test_writes_never_leave_the_sequence_pages(params):
     cache = PagedKVCache(k, v, table, jnp.zeros(2, jnp.int32))
     tokens = jnp.ones((2, 8), jnp.int32)
     valid = jnp.asarray([[True] * 8, [True] * 3 + [False] * 5])
-    out = forward(params, CFG, tokens, jnp.broadcast_to(jnp.arange(8), (2, 8)), cache,
-                  causal_mask(2, 8), valid=valid)
+    out = forward(params, CFG, tokens, jnp.broadcast_to(jnp.arange(8), (2, 8)), cache, causal_mask(2, 8), valid=valid)
     kp = np.moveaxis(np.asarray(out.cache.k_pages[0]), 0, 1)  # [P, KVH, ps, D]
     touched = [p for p in range(6) if np.abs(kp[p]).sum() > 0]
     assert touched == [2, 4]

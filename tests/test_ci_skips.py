@@ -16,14 +16,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_pytest(tmp_path, ci: str, workers: str):
     (tmp_path / "test_some.py").write_text(
-        "import pytest\n\ndef test_skipped():\n    pytest.skip('nothing here')\n\n"
-        "def test_passes():\n    pass\n")
+        "import pytest\n\ndef test_skipped():\n    pytest.skip('nothing here')\n\ndef test_passes():\n    pass\n"
+    )
     (tmp_path / "test_skipped_module.py").write_text(
-        "import pytest\n\npytest.skip('no module here', allow_module_level=True)\n")
+        "import pytest\n\npytest.skip('no module here', allow_module_level=True)\n"
+    )
     env = {**os.environ, "CI": ci}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", workers, "-p", "no:cacheprovider",
-                           "-p", "tests.conftest", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            workers,
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])

@@ -11,14 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import make_tiny_hf_model
+
 from specjax.cli import main
 
-JSON_FIELDS = {"prompt", "text", "token_ids", "new_tokens", "steps", "mean_accepted", "seconds",
-               "tokens_per_s"}
-PROMPTS = ["Hello! How are you today?", "What is the capital of France?",
-           "def add(a, b):\n    return a + b\n\nSummarize the following text in one sentence."]
+JSON_FIELDS = {"prompt", "text", "token_ids", "new_tokens", "steps", "mean_accepted", "seconds", "tokens_per_s"}
+PROMPTS = [
+    "Hello! How are you today?",
+    "What is the capital of France?",
+    "def add(a, b):\n    return a + b\n\nSummarize the following text in one sentence.",
+]
 
 
 # --------------------------------------------------------------------------- helpers / fixtures
@@ -83,8 +85,7 @@ def engine_greedy(loaded, ids, n=8):
 
 
 def test_json_contract(capsys, model_dir, loaded):
-    recs = run_json(capsys, "--model", model_dir, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
-                    "--max-new-tokens", 8)
+    recs = run_json(capsys, "--model", model_dir, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", 8)
     assert [r["prompt"] for r in recs] == PROMPTS[:2]
     tok = loaded[0].tokenizer
     for r in recs:
@@ -102,8 +103,7 @@ def test_json_contract(capsys, model_dir, loaded):
 
 def test_plain_output_prints_text(capsys, model_dir, loaded):
     [rec] = run_json(capsys, "--model", model_dir, "--prompt", PROMPTS[0], "--max-new-tokens", 6)
-    rc, out, err = run(capsys, "generate", "--model", model_dir, "--prompt", PROMPTS[0],
-                       "--max-new-tokens", 6)
+    rc, out, err = run(capsys, "generate", "--model", model_dir, "--prompt", PROMPTS[0], "--max-new-tokens", 6)
     assert rc == 0
     assert out == rec["text"] + "\n"
     assert f"{rec['new_tokens']} tokens" in err
@@ -127,12 +127,17 @@ def test_raw_and_chat_template_tokenization(capsys, model_dir, loaded):
 
 def test_prompts_file_turns_prompt_and_limit(capsys, tmp_path, model_dir):
     f = tmp_path / "prompts.jsonl"
-    f.write_text("\n".join([
-        json.dumps({"turns": [PROMPTS[0], "a second turn, ignored"], "id": 7}),
-        "",
-        json.dumps({"prompt": PROMPTS[1]}),
-        json.dumps({"turns": [PROMPTS[2]]}),
-    ]) + "\n")
+    f.write_text(
+        "\n".join(
+            [
+                json.dumps({"turns": [PROMPTS[0], "a second turn, ignored"], "id": 7}),
+                "",
+                json.dumps({"prompt": PROMPTS[1]}),
+                json.dumps({"turns": [PROMPTS[2]]}),
+            ]
+        )
+        + "\n"
+    )
     common = ("--model", model_dir, "--max-new-tokens", 4, "--raw")
     recs = run_json(capsys, *common, "--prompts-file", f)
     assert [r["prompt"] for r in recs] == PROMPTS
@@ -147,8 +152,7 @@ def test_prompts_file_turns_prompt_and_limit(capsys, tmp_path, model_dir):
 def test_prompts_file_bad_record(capsys, tmp_path, model_dir):
     f = tmp_path / "bad.jsonl"
     f.write_text(json.dumps({"question": "x"}) + "\n")
-    assert_error(capsys, "generate", "--model", model_dir, "--prompts-file", f,
-                 words=("turns", "prompt", ":1"))
+    assert_error(capsys, "generate", "--model", model_dir, "--prompts-file", f, words=("turns", "prompt", ":1"))
     f.write_text("{not json\n")
     assert_error(capsys, "generate", "--model", model_dir, "--prompts-file", f, words=("JSON",))
 
@@ -166,8 +170,7 @@ def test_greedy_is_deterministic(capsys, model_dir):
 
 
 def test_sampling_seeds(capsys, model_dir):
-    args = ("--model", model_dir, "--prompt", PROMPTS[0], "--max-new-tokens", 16,
-            "--temperature", 1.0, "--raw")
+    args = ("--model", model_dir, "--prompt", PROMPTS[0], "--max-new-tokens", 16, "--temperature", 1.0, "--raw")
     s1 = run_json(capsys, *args, "--seed", 1)[0]["token_ids"]
     s1_again = run_json(capsys, *args, "--seed", 1)[0]["token_ids"]
     s2 = run_json(capsys, *args, "--seed", 2)[0]["token_ids"]
@@ -219,8 +222,15 @@ def broken_dirs(tiny_llama, tmp_path_factory):
 
 
 def test_error_unknown_model_name(capsys):
-    assert_error(capsys, "generate", "--model", "no-such-model-xyz", "--prompt", "hi",
-                 words=("unknown model", "no-such-model-xyz"))
+    assert_error(
+        capsys,
+        "generate",
+        "--model",
+        "no-such-model-xyz",
+        "--prompt",
+        "hi",
+        words=("unknown model", "no-such-model-xyz"),
+    )
 
 
 def test_error_missing_path(capsys, tmp_path):
@@ -229,70 +239,117 @@ def test_error_missing_path(capsys, tmp_path):
 
 
 def test_error_not_a_checkpoint(capsys, broken_dirs):
-    assert_error(capsys, "generate", "--model", broken_dirs["empty"], "--prompt", "hi",
-                 words=("config.json", "not a checkpoint"))
+    assert_error(
+        capsys, "generate", "--model", broken_dirs["empty"], "--prompt", "hi", words=("config.json", "not a checkpoint")
+    )
 
 
 def test_error_truncated_weights(capsys, broken_dirs):
-    assert_error(capsys, "generate", "--model", broken_dirs["truncated"], "--prompt", "hi",
-                 words=("truncated", "model.safetensors"))
+    assert_error(
+        capsys,
+        "generate",
+        "--model",
+        broken_dirs["truncated"],
+        "--prompt",
+        "hi",
+        words=("truncated", "model.safetensors"),
+    )
 
 
 def test_error_unsupported_architecture(capsys, broken_dirs):
-    assert_error(capsys, "generate", "--model", broken_dirs["gpt2"], "--prompt", "hi",
-                 words=("unsupported", "GPT2LMHeadModel"))
+    assert_error(
+        capsys, "generate", "--model", broken_dirs["gpt2"], "--prompt", "hi", words=("unsupported", "GPT2LMHeadModel")
+    )
 
 
 def test_error_corrupt_gguf(capsys, broken_dirs):
-    assert_error(capsys, "generate", "--model", broken_dirs["gguf"], "--prompt", "hi",
-                 words=("gguf", "x.gguf"))
+    assert_error(capsys, "generate", "--model", broken_dirs["gguf"], "--prompt", "hi", words=("gguf", "x.gguf"))
 
 
 def test_error_prompt_longer_than_context(capsys, broken_dirs):
     long = " ".join(PROMPTS) * 5
-    assert_error(capsys, "generate", "--model", broken_dirs["ctx64"], "--prompt", long, "--raw",
-                 "--max-new-tokens", 8, words=("context", "64"))
+    assert_error(
+        capsys,
+        "generate",
+        "--model",
+        broken_dirs["ctx64"],
+        "--prompt",
+        long,
+        "--raw",
+        "--max-new-tokens",
+        8,
+        words=("context", "64"),
+    )
 
 
-@pytest.mark.parametrize("flag,value,word", [
-    ("--max-new-tokens", "-1", "--max-new-tokens"),
-    ("--temperature", "-0.5", "--temperature"),
-    ("--top-p", "0", "--top-p"),
-    ("--top-p", "1.5", "--top-p"),
-    ("--top-k", "-2", "--top-k"),
-    ("--method", "telepathy", "telepathy"),
-])
+@pytest.mark.parametrize(
+    "flag,value,word",
+    [
+        ("--max-new-tokens", "-1", "--max-new-tokens"),
+        ("--temperature", "-0.5", "--temperature"),
+        ("--top-p", "0", "--top-p"),
+        ("--top-p", "1.5", "--top-p"),
+        ("--top-k", "-2", "--top-k"),
+        ("--method", "telepathy", "telepathy"),
+    ],
+)
 def test_error_bad_option(capsys, model_dir, flag, value, word):
-    msg = assert_error(capsys, "generate", "--model", model_dir, "--prompt", "hi", flag, value,
-                       words=(word,))
+    msg = assert_error(capsys, "generate", "--model", model_dir, "--prompt", "hi", flag, value, words=(word,))
     if flag == "--method":
         assert "unknown method" in msg and "vanilla" in msg
     else:
         assert value in msg
 
 
-@pytest.mark.parametrize("method,value,words", [
-    ("pld", "0.5", ("--min-draft-prob", "medusa", "pld")),
-    ("eagle2", "1.5", ("--min-draft-prob", "[0, 1]", "1.5")),
-])
+@pytest.mark.parametrize(
+    "method,value,words",
+    [
+        ("pld", "0.5", ("--min-draft-prob", "medusa", "pld")),
+        ("eagle2", "1.5", ("--min-draft-prob", "[0, 1]", "1.5")),
+    ],
+)
 def test_error_min_draft_prob(capsys, model_dir, method, value, words):
-    assert_error(capsys, "generate", "--model", model_dir, "--prompt", "hi", "--method", method,
-                 "--min-draft-prob", value, words=words)
+    assert_error(
+        capsys,
+        "generate",
+        "--model",
+        model_dir,
+        "--prompt",
+        "hi",
+        "--method",
+        method,
+        "--min-draft-prob",
+        value,
+        words=words,
+    )
 
 
-@pytest.mark.parametrize("method,value,words", [
-    ("pld", "4", ("--lookup-tokens", "pld")),
-    ("eagle2", "0", ("--lookup-tokens", ">= 1", "0")),
-])
+@pytest.mark.parametrize(
+    "method,value,words",
+    [
+        ("pld", "4", ("--lookup-tokens", "pld")),
+        ("eagle2", "0", ("--lookup-tokens", ">= 1", "0")),
+    ],
+)
 def test_error_lookup_tokens(capsys, model_dir, method, value, words):
-    assert_error(capsys, "generate", "--model", model_dir, "--prompt", "hi", "--method", method,
-                 "--lookup-tokens", value, words=words)
+    assert_error(
+        capsys,
+        "generate",
+        "--model",
+        model_dir,
+        "--prompt",
+        "hi",
+        "--method",
+        method,
+        "--lookup-tokens",
+        value,
+        words=words,
+    )
 
 
 def test_error_missing_prompts_file(capsys, tmp_path, model_dir):
     missing = tmp_path / "nope.jsonl"
-    assert_error(capsys, "generate", "--model", model_dir, "--prompts-file", missing,
-                 words=("not found", "nope.jsonl"))
+    assert_error(capsys, "generate", "--model", model_dir, "--prompts-file", missing, words=("not found", "nope.jsonl"))
 
 
 def test_error_no_prompt(capsys, model_dir):
@@ -311,13 +368,13 @@ def _subprocess(*args, cache):
     env = dict(os.environ, SPECJAX_CACHE=str(cache), JAX_PLATFORMS="cpu")
     for name in ("SPECJAX_DEBUG", "SPECJAX_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR"):
         env.pop(name, None)  # the command's own defaults, under this test's cache
-    return subprocess.run([sys.executable, "-m", "specjax.cli", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "specjax.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_subprocess_error_is_one_line(broken_dirs, tmp_path):
-    p = _subprocess("generate", "--model", broken_dirs["truncated"], "--prompt", "hi",
-                    cache=tmp_path)
+    p = _subprocess("generate", "--model", broken_dirs["truncated"], "--prompt", "hi", cache=tmp_path)
     assert p.returncode != 0
     assert p.stdout == ""
     assert "Traceback" not in p.stderr
@@ -329,8 +386,9 @@ def test_subprocess_error_is_one_line(broken_dirs, tmp_path):
 
 
 def test_subprocess_generate_json(model_dir, tmp_path, capsys):
-    p = _subprocess("generate", "--model", model_dir, "--prompt", PROMPTS[1], "--max-new-tokens", 5,
-                    "--json", cache=tmp_path)
+    p = _subprocess(
+        "generate", "--model", model_dir, "--prompt", PROMPTS[1], "--max-new-tokens", 5, "--json", cache=tmp_path
+    )
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
     [line] = p.stdout.splitlines()
@@ -343,27 +401,44 @@ def test_subprocess_generate_json(model_dir, tmp_path, capsys):
     # and gives the same tokens.
     cached = list((tmp_path / "jax-compile").iterdir())
     assert cached, "no compiled program was cached"
-    again = _subprocess("generate", "--model", model_dir, "--prompt", PROMPTS[1],
-                        "--max-new-tokens", 5, "--json", cache=tmp_path)
+    again = _subprocess(
+        "generate", "--model", model_dir, "--prompt", PROMPTS[1], "--max-new-tokens", 5, "--json", cache=tmp_path
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout.splitlines()[0])["token_ids"] == rec["token_ids"]
 
 
 # --- speculative methods through the CLI -------------------------------------------------------
 
+
 def _json_lines(capsys):
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("extra", [["--method", "pld"],
-                                   ["--method", "pld", "--prompt-lookup-num-tokens", "3",
-                                    "--min-matching-ngram-size", "2"],
-                                   ["--method", "draft", "--draft-layers", "1", "--max-draft-len", "2"],
-                                   ["--method", "draft", "--draft-layers", "2", "--use-logits"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--method", "pld"],
+        ["--method", "pld", "--prompt-lookup-num-tokens", "3", "--min-matching-ngram-size", "2"],
+        ["--method", "draft", "--draft-layers", "1", "--max-draft-len", "2"],
+        ["--method", "draft", "--draft-layers", "2", "--use-logits"],
+    ],
+)
 def test_speculative_methods_match_vanilla_greedy(tiny_llama, capsys, extra):
     d, _ = tiny_llama
-    base = ["generate", "--model", str(d), "--raw", "--json", "--max-new-tokens", "12",
-            "--prompt", "1 + 1 = 2, 2 + 2 = 4, 1 + 1 = 2, 2 + 2 =", "--prompt", "hello"]
+    base = [
+        "generate",
+        "--model",
+        str(d),
+        "--raw",
+        "--json",
+        "--max-new-tokens",
+        "12",
+        "--prompt",
+        "1 + 1 = 2, 2 + 2 = 4, 1 + 1 = 2, 2 + 2 =",
+        "--prompt",
+        "hello",
+    ]
     assert main(base) == 0
     vanilla = _json_lines(capsys)
     assert main(base + extra) == 0
@@ -374,13 +449,16 @@ def test_speculative_methods_match_vanilla_greedy(tiny_llama, capsys, extra):
         assert s["mean_accepted"] == pytest.approx(s["new_tokens"] / s["steps"])
 
 
-@pytest.mark.parametrize("extra,words", [
-    (["--method", "draft", "--draft-layers", "9"], ["draft layers"]),
-    (["--method", "draft", "--draft-layers", "0"], ["draft layers"]),
-    (["--method", "draft", "--max-draft-len", "0"], ["max-draft-len"]),
-    (["--method", "pld", "--prompt-lookup-num-tokens", "0"], ["prompt-lookup-num-tokens"]),
-    (["--method", "pld", "--min-matching-ngram-size", "4"], ["n-gram"]),
-])
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--method", "draft", "--draft-layers", "9"], ["draft layers"]),
+        (["--method", "draft", "--draft-layers", "0"], ["draft layers"]),
+        (["--method", "draft", "--max-draft-len", "0"], ["max-draft-len"]),
+        (["--method", "pld", "--prompt-lookup-num-tokens", "0"], ["prompt-lookup-num-tokens"]),
+        (["--method", "pld", "--min-matching-ngram-size", "4"], ["n-gram"]),
+    ],
+)
 def test_speculative_bad_options(tiny_llama, capsys, extra, words):
     d, _ = tiny_llama
     rc = main(["generate", "--model", str(d), "--prompt", "hi", "--max-new-tokens", "2"] + extra)
@@ -396,7 +474,6 @@ def test_draft_model_with_other_vocabulary_is_refused(tiny_llama, tmp_path, caps
     d, _ = tiny_llama
     other = tmp_path / "other"
     make_tiny_hf_model(other, "llama", vocab_size=400)
-    rc = main(["generate", "--model", str(d), "--prompt", "hi", "--method", "draft",
-               "--draft-model", str(other)])
+    rc = main(["generate", "--model", str(d), "--prompt", "hi", "--method", "draft", "--draft-model", str(other)])
     err = capsys.readouterr().err.strip()
     assert rc != 0 and "vocabulary" in err and "400" in err

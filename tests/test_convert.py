@@ -10,15 +10,17 @@ import jax
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny_hf_model
+
 from specjax import load_model
 from specjax.checkpoint import CheckpointError
 from specjax.cli import main
 
-KINDS = {"llama": dict(tie_word_embeddings=True),
-         "qwen2": dict(tie_word_embeddings=False),  # q/k/v projections carry biases
-         "mistral": dict(tie_word_embeddings=False)}
+KINDS = {
+    "llama": dict(tie_word_embeddings=True),
+    "qwen2": dict(tie_word_embeddings=False),  # q/k/v projections carry biases
+    "mistral": dict(tie_word_embeddings=False),
+}
 
 
 def _perturbed_model(d: Path, kind: str, seed: int):
@@ -87,8 +89,10 @@ def test_round_trip_through_specjax(kind, hf_models, tmp_path, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (b / name).read_bytes() == (src / name).read_bytes(), name
         assert (a / name).exists(), name
-    assert json.loads((b / "config.json").read_text())["architectures"] == \
-        json.loads((src / "config.json").read_text())["architectures"]
+    assert (
+        json.loads((b / "config.json").read_text())["architectures"]
+        == json.loads((src / "config.json").read_text())["architectures"]
+    )
 
     back = AutoModelForCausalLM.from_pretrained(str(b), dtype=torch.float32).eval()
     assert type(back) is type(torch_model)
@@ -148,8 +152,10 @@ def test_version1_specjax_checkpoint_is_transposed_on_load(hf_models, tmp_path):
     out = tmp_path / "v1"
     assert main(["convert", str(src), "--out", str(out)]) == 0
     flat = load_file(str(out / "model.safetensors"))
-    save_file({k: np.ascontiguousarray(v.T) if k.split(".")[-1] in LINEAR_KEYS else v
-               for k, v in flat.items()}, str(out / "model.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(v.T) if k.split(".")[-1] in LINEAR_KEYS else v for k, v in flat.items()},
+        str(out / "model.safetensors"),
+    )
     marker = json.loads((out / "specjax.json").read_text())
     assert marker["version"] == 2
     (out / "specjax.json").write_text(json.dumps({**marker, "version": 1}))
@@ -247,9 +253,9 @@ def test_tokenizer_equals_autotokenizer_without_importing_torch(tmp_path, tokeni
     import subprocess
     import sys
 
+    from conftest import build_tokenizer
     from transformers import AutoTokenizer
 
-    from conftest import build_tokenizer
     from specjax.loading import load_tokenizer
 
     build_tokenizer(tmp_path)
@@ -264,13 +270,15 @@ def test_tokenizer_equals_autotokenizer_without_importing_torch(tmp_path, tokeni
     for text in ("The quick brown fox.", "1 + 1 = 2\n\tdone", "<|im_start|>hi<|im_end|>"):
         assert ours(text).input_ids == auto(text).input_ids
         assert ours.decode(ours(text).input_ids) == auto.decode(auto(text).input_ids)
-    assert (ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            == auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == auto.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     assert (ours.eos_token, ours.pad_token) == (auto.eos_token, auto.pad_token)
     if tokenizer_class:  # a fresh process: torch stays unimported
-        probe = ("import sys; from pathlib import Path; from specjax.loading import load_tokenizer; "
-                 f"load_tokenizer(Path({str(tmp_path)!r})); print('torch' in sys.modules)")
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             timeout=120)
+        probe = (
+            "import sys; from pathlib import Path; from specjax.loading import load_tokenizer; "
+            f"load_tokenizer(Path({str(tmp_path)!r})); print('torch' in sys.modules)"
+        )
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "False"

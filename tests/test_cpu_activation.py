@@ -9,8 +9,9 @@ from specjax.cpu.activation import swiglu
 from specjax.cpu.matmul import use_cpu_matmul
 from specjax.cpu.native import unsupported_reason
 
-needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
-                                  reason=f"kernel unavailable: {unsupported_reason()}")
+needs_kernel = pytest.mark.skipif(
+    unsupported_reason() is not None, reason=f"kernel unavailable: {unsupported_reason()}"
+)
 
 
 def xla_swiglu(h):
@@ -40,7 +41,7 @@ def test_kernel_matches_silu_times_up_and_each_row_alone(shape):
 def test_gradient_is_xlas():
     """Training differentiates through the kernel: the gradient is XLA's silu(gate) * up's."""
     h = jnp.asarray(np.random.default_rng(1).normal(size=(3, 40)), jnp.float32)
-    loss = lambda f: lambda x: jnp.sum(f(x) ** 2)  # noqa: E731
+    loss = lambda f: lambda x: jnp.sum(f(x) ** 2)
     with use_cpu_matmul("kernel"):
         got = jax.grad(loss(swiglu))(h)
     want = jax.grad(loss(lambda x: jax.nn.silu(x[:, :20]) * x[:, 20:]))(h)

@@ -15,8 +15,9 @@ from specjax.cpu import matmul as cpu_matmul
 from specjax.cpu.matmul import TARGET, rows_matmul, unsupported_reason, use_cpu_matmul
 from specjax.model import head_logits, linear
 
-needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
-                                  reason=f"kernel unavailable: {unsupported_reason()}")
+needs_kernel = pytest.mark.skipif(
+    unsupported_reason() is not None, reason=f"kernel unavailable: {unsupported_reason()}"
+)
 
 
 def _hlo(fn, *args) -> str:
@@ -46,7 +47,7 @@ def test_a_row_does_not_depend_on_how_many_rows_share_the_pass():
     x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
     with use_cpu_matmul("kernel"):
         f = jax.jit(linear)
-        alone = np.stack([np.asarray(f(x[i:i + 1], w))[0] for i in range(64)])
+        alone = np.stack([np.asarray(f(x[i : i + 1], w))[0] for i in range(64)])
         for m in (2, 4, 5, 8, 9, 10, 14, 15, 16, 23, 29, 64):
             np.testing.assert_array_equal(np.asarray(f(x[:m], w)), alone[:m])
 
@@ -61,7 +62,7 @@ def test_rms_norm_rows_do_not_depend_on_how_many_rows_share_the_pass():
     x = jnp.asarray(3 * rng.standard_normal((1, 24, 576)).astype(np.float32))
     with use_cpu_matmul("kernel"):
         f = jax.jit(lambda x: rms_norm(x, g, 1e-5))
-        alone = np.concatenate([np.asarray(f(x[:, i:i + 1])) for i in range(24)], axis=1)
+        alone = np.concatenate([np.asarray(f(x[:, i : i + 1])) for i in range(24)], axis=1)
         for t in (2, 4, 8, 12, 24):
             np.testing.assert_array_equal(np.asarray(f(x[:, :t])), alone[:, :t])
 
@@ -71,11 +72,12 @@ def test_verify_rows_equal_one_token_decodes_bit_for_bit():
     """A T-token pass over the cache gives each row the logits decoding it alone gives, bit for
     bit (both CPU kernels): what makes greedy speculation reproduce vanilla decoding exactly."""
     from specjax.cache import PagedKVCache, init_pages
-    from specjax.config import ModelConfig
     from specjax.model import causal_mask, forward, init_params
+    from specjax.model_config import ModelConfig
 
-    config = ModelConfig(vocab_size=300, hidden_size=576, intermediate_size=1536, num_layers=2,
-                         num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's widths
+    config = ModelConfig(
+        vocab_size=300, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64
+    )  # SmolLM2-135M's widths
     params = init_params(config, jax.random.PRNGKey(3), scale=0.1)
     k, v = init_pages(config, 8, 16)
     start = PagedKVCache(k, v, jnp.arange(8, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
@@ -86,11 +88,11 @@ def test_verify_rows_equal_one_token_decodes_bit_for_bit():
         prompt = out.cache.replace(lengths=out.cache.lengths + 8)
         cache, decoded = prompt, []
         for i in range(8, 20):
-            out = step(cache, tokens[:, i:i + 1], jnp.full((1, 1), i), causal_mask(1, 1))
+            out = step(cache, tokens[:, i : i + 1], jnp.full((1, 1), i), causal_mask(1, 1))
             cache = out.cache.replace(lengths=out.cache.lengths + 1)
             decoded.append(np.asarray(out.logits[0, 0]))
         for t in (2, 5, 12):
-            out = step(prompt, tokens[:, 8:8 + t], jnp.arange(8, 8 + t)[None], causal_mask(1, t))
+            out = step(prompt, tokens[:, 8 : 8 + t], jnp.arange(8, 8 + t)[None], causal_mask(1, t))
             np.testing.assert_array_equal(np.asarray(out.logits[0]), np.stack(decoded[:t]))
 
 
@@ -113,8 +115,9 @@ def test_float16_weights_give_the_float32_kernel_result_of_the_widened_weight(k)
     x = jnp.asarray(rng.standard_normal((5, k)).astype(np.float32))
     with use_cpu_matmul("xla"):
         assert TARGET not in _hlo(linear, x, w16)
-        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, w16)),
-                                   np.asarray(x) @ np.asarray(w32).T, rtol=2e-5, atol=2e-4)
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(linear)(x, w16)), np.asarray(x) @ np.asarray(w32).T, rtol=2e-5, atol=2e-4
+        )
 
 
 @needs_kernel
@@ -165,8 +168,9 @@ def test_packed_weight_gives_the_plain_weights_results(n, k):
         np.testing.assert_array_equal(got[:29], np.asarray(f(many[:29], w)))
     with use_cpu_matmul("xla"):  # a packed weight without the kernel: XLA's product
         assert TARGET not in _hlo(linear, many[:5], p)
-        np.testing.assert_allclose(np.asarray(jax.jit(linear)(many[:5], p)),
-                                   np.asarray(many[:5]) @ np.asarray(w).T, rtol=2e-5, atol=2e-4)
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(linear)(many[:5], p)), np.asarray(many[:5]) @ np.asarray(w).T, rtol=2e-5, atol=2e-4
+        )
 
 
 @needs_kernel
@@ -178,12 +182,20 @@ def test_packed_model_decodes_bit_for_bit_as_the_plain_one(tied):
     weights: head_dim 64 for the attention kernel); `unpack_params` gives the plain weights back,
     and gradients flow through a packed weight."""
     from specjax.cache import PagedKVCache, init_pages
-    from specjax.config import ModelConfig
     from specjax.cpu.matmul import PackedWeight, pack_params, unpack_params
     from specjax.model import causal_mask, forward, init_params
+    from specjax.model_config import ModelConfig
 
-    config = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=96, num_layers=2,
-                         num_heads=2, num_kv_heads=1, head_dim=64, tie_word_embeddings=tied)
+    config = ModelConfig(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        tie_word_embeddings=tied,
+    )
     plain = init_params(config, jax.random.PRNGKey(5), scale=0.1)
     with use_cpu_matmul("kernel"):
         packed = pack_params(plain)
@@ -228,9 +240,11 @@ def test_draft_weights_packs_draft_matrices_in_float16():
     from specjax.cpu.matmul import PackedWeight, pack_weight
 
     rng = np.random.default_rng(8)
-    tree = {"w": jnp.asarray(rng.standard_normal((40, 16)).astype(np.float32)),
-            "p": pack_weight(jnp.asarray(rng.standard_normal((33, 16)).astype(np.float32))),
-            "b": jnp.zeros((16,))}
+    tree = {
+        "w": jnp.asarray(rng.standard_normal((40, 16)).astype(np.float32)),
+        "p": pack_weight(jnp.asarray(rng.standard_normal((33, 16)).astype(np.float32))),
+        "b": jnp.zeros((16,)),
+    }
     with use_cpu_matmul("kernel"):
         with use_draft_weights("float16"):
             half = draft_weights(tree)
@@ -262,13 +276,12 @@ def test_int8_weights_multiply_as_their_scaled_rows_and_alone():
     deq = np.asarray(q.unpack())
     step = np.abs(w).max(axis=1, keepdims=True) / 127
     assert np.all(np.abs(deq - w) <= step / 2 + 1e-7) and np.all(deq[7] == 0)
-    np.testing.assert_array_equal(take_rows(q, jnp.array([[3, 7], [202, 0]])),
-                                  deq[[[3, 7], [202, 0]]])
+    np.testing.assert_array_equal(take_rows(q, jnp.array([[3, 7], [202, 0]])), deq[[[3, 7], [202, 0]]])
     x = rng.standard_normal((20, 45)).astype(np.float32)
     with use_cpu_matmul("kernel"):
         f = jax.jit(linear)
         assert TARGET + "_s8" in _hlo(linear, jnp.zeros((3, 45)), q)
-        alone = np.stack([np.asarray(f(x[i:i + 1], q))[0] for i in range(20)])
+        alone = np.stack([np.asarray(f(x[i : i + 1], q))[0] for i in range(20)])
         for m in (2, 9, 14, 15, 20):
             np.testing.assert_array_equal(np.asarray(f(x[:m], q)), alone[:m])
         with use_draft_weights("int8"):
@@ -277,8 +290,7 @@ def test_int8_weights_multiply_as_their_scaled_rows_and_alone():
     assert isinstance(packed, PackedWeight) and packed.dtype == jnp.int8
     np.testing.assert_array_equal(packed.unpack(), deq)
     with use_cpu_matmul("xla"):
-        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, q)), x @ deq.T, rtol=2e-5,
-                                   atol=2e-4)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, q)), x @ deq.T, rtol=2e-5, atol=2e-4)
 
 
 @needs_kernel
@@ -288,8 +300,7 @@ def test_xla_takes_what_the_kernel_does_not():
     with use_cpu_matmul("kernel"):
         many = jnp.zeros((cpu_matmul.MAX_ROWS + 1, 16))
         assert TARGET not in _hlo(linear, many, jnp.zeros((8, 16)))
-        assert TARGET not in _hlo(linear, jnp.zeros((2, 16), jnp.bfloat16),
-                                  jnp.zeros((8, 16), jnp.bfloat16))
+        assert TARGET not in _hlo(linear, jnp.zeros((2, 16), jnp.bfloat16), jnp.zeros((8, 16), jnp.bfloat16))
 
 
 @needs_kernel
@@ -299,7 +310,8 @@ def test_lowering_for_a_gpu_takes_xla_product():
 
     with use_cpu_matmul("kernel"):
         exp = export.export(jax.jit(rows_matmul), platforms=["cuda"])(
-            jax.ShapeDtypeStruct((4, 64), jnp.float32), jax.ShapeDtypeStruct((96, 64), jnp.float32))
+            jax.ShapeDtypeStruct((4, 64), jnp.float32), jax.ShapeDtypeStruct((96, 64), jnp.float32)
+        )
     assert TARGET not in exp.mlir_module()
 
 
@@ -311,12 +323,12 @@ def test_bad_setting_is_one_line_error(monkeypatch):
 
 def test_auto_leaves_meshes_to_xla():
     """With several devices `auto` keeps XLA's product (XLA cannot partition a custom call)."""
-    code = ("import jax, jax.numpy as jnp\n"
-            "from specjax.model import linear\n"
-            "print(jax.device_count(), 'specjax_rows_matmul' in "
-            "jax.jit(linear).lower(jnp.zeros((2, 8)), jnp.zeros((4, 8))).as_text())\n")
-    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
-               SPECJAX_CPU_MATMUL="auto")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=True)
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from specjax.model import linear\n"
+        "print(jax.device_count(), 'specjax_rows_matmul' in "
+        "jax.jit(linear).lower(jnp.zeros((2, 8)), jnp.zeros((4, 8))).as_text())\n"
+    )
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2), SPECJAX_CPU_MATMUL="auto")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["2", "False"]

@@ -9,8 +9,9 @@ from specjax.cpu.matmul import use_cpu_matmul
 from specjax.cpu.native import unsupported_reason
 from specjax.cpu.top_k import top_log_probs
 
-needs_kernel = pytest.mark.skipif(unsupported_reason() is not None,
-                                  reason=f"kernel unavailable: {unsupported_reason()}")
+needs_kernel = pytest.mark.skipif(
+    unsupported_reason() is not None, reason=f"kernel unavailable: {unsupported_reason()}"
+)
 
 
 def reference(x, k):
@@ -19,8 +20,7 @@ def reference(x, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape,k", [((3, 4096), 3), ((1, 4096), 1), ((2, 5, 301), 8),
-                                     ((4, 17), 17), ((6, 1000), 10)])
+@pytest.mark.parametrize("shape,k", [((3, 4096), 3), ((1, 4096), 1), ((2, 5, 301), 8), ((4, 17), 17), ((6, 1000), 10)])
 def test_kernel_gives_the_ids_of_top_k_and_the_log_softmax_values(shape, k):
     """Random logits with many exact ties (values on a coarse grid): the same ids in the same
     order as lax.top_k (ties to the lower index) and log-probabilities within float32 rounding
@@ -29,8 +29,7 @@ def test_kernel_gives_the_ids_of_top_k_and_the_log_softmax_values(shape, k):
     x = jnp.asarray(np.round(rng.normal(0, 4, shape) * 2) / 2, jnp.float32)  # ties
     with use_cpu_matmul("kernel"):
         logp, ids = jax.jit(top_log_probs, static_argnums=1)(x, k)
-        assert "specjax_top_log_probs" in jax.jit(top_log_probs, static_argnums=1).lower(
-            x, k).as_text()
+        assert "specjax_top_log_probs" in jax.jit(top_log_probs, static_argnums=1).lower(x, k).as_text()
     want_logp, want_ids = reference(x, k)
     assert logp.shape == ids.shape == shape[:-1] + (k,) and ids.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(ids), want_ids)

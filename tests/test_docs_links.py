@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-               *(ROOT / "specjax" / "shipped_heads").glob("*/*/README.md")])
+DOCS = sorted(
+    [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "specjax" / "shipped_heads").glob("*/*/README.md")]
+)
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 _INLINE = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -52,9 +53,11 @@ def test_relative_links_resolve(path):
 def test_a_broken_link_is_found(tmp_path):
     (tmp_path / "there.md").write_text("x")
     doc = tmp_path / "doc.md"
-    doc.write_text("[ok](there.md#part) [web](https://example.com) [anchor](#top)\n"
-                   "![img](gone.png) `[code](not-a-link.md)`\n\n```\n[x](fenced.md)\n```\n"
-                   "[ref]: missing/file.md\n")
+    doc.write_text(
+        "[ok](there.md#part) [web](https://example.com) [anchor](#top)\n"
+        "![img](gone.png) `[code](not-a-link.md)`\n\n```\n[x](fenced.md)\n```\n"
+        "[ref]: missing/file.md\n"
+    )
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "up.md").write_text("[fine](../there.md) [outside](../../x.md)\n")
     assert relative_links(doc.read_text()) == ["there.md", "gone.png", "missing/file.md"]

@@ -14,8 +14,16 @@ from specjax.model import lm_head_weight
 from specjax.proposers.eagle import EagleChainProposer, EagleDynamicProposer, EagleTreeProposer
 from specjax.proposers.eagle3_net import Eagle3Net
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
 PROMPTS = [[3, 9, 27, 17, 51, 25, 11, 33, 35, 41], [5, 5, 5, 6], [1, 2]]
 
 
@@ -24,8 +32,10 @@ def random_eagle(key, scale=0.3, layers=1):
     stack = init_params(draft_cfg, key, scale=scale)["layers"]
     del stack[0]["attn_norm"]  # EAGLE's first layer has no input norm
     k1, k2 = jax.random.split(key)
-    fc = {"kernel": scale * jax.random.normal(k1, (2 * CFG.hidden_size, CFG.hidden_size)),
-          "bias": scale * jax.random.normal(k2, (CFG.hidden_size,))}
+    fc = {
+        "kernel": scale * jax.random.normal(k1, (2 * CFG.hidden_size, CFG.hidden_size)),
+        "bias": scale * jax.random.normal(k2, (CFG.hidden_size,)),
+    }
     return draft_cfg, {"fc": fc, "layers": stack}
 
 
@@ -45,6 +55,7 @@ def test_greedy_equals_vanilla(target, k):
     assert spec.token_ids == vanilla.token_ids
     # Sampling stays seeded and runs through the same path.
     from specjax import SamplingConfig
+
     s = SamplingConfig(temperature=0.8, top_k=20)
     a = eng.generate(PROMPTS, 12, sampling=s, seeds=[1, 2, 3], proposer=proposer, proposer_params=pparams)
     b = eng.generate(PROMPTS, 12, sampling=s, seeds=[1, 2, 3], proposer=proposer, proposer_params=pparams)
@@ -73,9 +84,9 @@ def test_update_rebuilds_pairs_with_true_features(target):
         k, v = init_pages(CFG, 16, 4)
         table = jnp.arange(8, dtype=jnp.int32)[None]
         cache = PagedKVCache(k, v, table, jnp.zeros(1, jnp.int32))
-        chunk = jnp.zeros((1, 16), jnp.int32).at[0, :L - 1].set(jnp.asarray(tokens_list[:-1]))
+        chunk = jnp.zeros((1, 16), jnp.int32).at[0, : L - 1].set(jnp.asarray(tokens_list[:-1]))
         cache, last, hidden = prefill(target, CFG, cache, chunk, jnp.asarray([L - 1]))
-        buf = jnp.zeros((1, 33), jnp.int32).at[0, :len(full)].set(jnp.asarray(full))
+        buf = jnp.zeros((1, 33), jnp.int32).at[0, : len(full)].set(jnp.asarray(full))
         ctx = SpecContext(buf, jnp.asarray([L]), cache.block_tables, last, prompt_hidden=hidden)
         pools = proposer.make_pools(16, 4, jnp.float32)
         state = jax.jit(proposer.init)(pparams, pools, ctx, chunk, jnp.asarray([L - 1]))
@@ -85,18 +96,19 @@ def test_update_rebuilds_pairs_with_true_features(target):
     tree, state = _propose(proposer, pparams, short, ctx)
     # The target's true hidden states along the accepted path: a teacher-forced pass.
     from specjax.draft_tree import chain
+
     path_tree = chain(jnp.asarray([41]), jnp.asarray([[7, 8, 2]]), jnp.asarray([3]))
     from specjax.verify import verify
+
     out = verify(target, CFG, cache, path_tree)
-    res = AcceptResult(path=jnp.arange(4, dtype=jnp.int32)[None], n_accepted=jnp.asarray([n_acc]),
-                       next_token=jnp.asarray([2]))
-    new_ctx = SpecContext(ctx.tokens, jnp.asarray([13]), ctx.block_tables, None,
-                          path_hidden=out.hidden)
+    res = AcceptResult(
+        path=jnp.arange(4, dtype=jnp.int32)[None], n_accepted=jnp.asarray([n_acc]), next_token=jnp.asarray([2])
+    )
+    new_ctx = SpecContext(ctx.tokens, jnp.asarray([13]), ctx.block_tables, None, path_hidden=out.hidden)
     updated = proposer.update(pparams, state, new_ctx, res, jnp.asarray([True]))
     long, _, _ = start(full)
     assert int(updated.lengths[0]) == int(long.lengths[0]) == 12
-    np.testing.assert_allclose(np.asarray(updated.next_hidden), np.asarray(long.next_hidden),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(updated.next_hidden), np.asarray(long.next_hidden), rtol=1e-4, atol=1e-5)
     for a, b in zip(updated.k_pages, long.k_pages):  # slots 0..11 live in pages 0..2
         np.testing.assert_allclose(np.asarray(a[:, :3]), np.asarray(b[:, :3]), rtol=1e-4, atol=1e-5)
 
@@ -135,13 +147,11 @@ def _draft_state(target, proposer, pparams, prompt, feature_layers=()):
     k, v = init_pages(CFG, 32, 4)
     table = jnp.arange(24, dtype=jnp.int32)[None]
     cache = PagedKVCache(k, v, table, jnp.zeros(1, jnp.int32))
-    chunk = jnp.zeros((1, 16), jnp.int32).at[0, :n - 1].set(jnp.asarray(prompt[:-1]))
-    cache, last, hidden = prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]),
-                                  tuple(feature_layers))
+    chunk = jnp.zeros((1, 16), jnp.int32).at[0, : n - 1].set(jnp.asarray(prompt[:-1]))
+    cache, last, hidden = prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]), tuple(feature_layers))
     buf = jnp.zeros((1, 96), jnp.int32).at[0, :n].set(jnp.asarray(prompt))
     ctx = SpecContext(buf, jnp.asarray([n]), cache.block_tables, last, prompt_hidden=hidden)
-    state = jax.jit(proposer.init)(pparams, proposer.make_pools(32, 4, jnp.float32), ctx, chunk,
-                                   jnp.asarray([n - 1]))
+    state = jax.jit(proposer.init)(pparams, proposer.make_pools(32, 4, jnp.float32), ctx, chunk, jnp.asarray([n - 1]))
     return state, ctx
 
 
@@ -149,8 +159,11 @@ def _draft_state(target, proposer, pparams, prompt, feature_layers=()):
 def _compiled(proposer):
     """The proposer's propose, one-token chain step and top-k, jitted once per proposer: op by op
     an EAGLE-1 tree took ~15 s to draft, and `_chain_top` calls the step once per node."""
-    return (jax.jit(proposer.propose, static_argnums=(3, 4)), jax.jit(proposer._run_chain),
-            jax.jit(proposer._top, static_argnums=2))
+    return (
+        jax.jit(proposer.propose, static_argnums=(3, 4)),
+        jax.jit(proposer._run_chain),
+        jax.jit(proposer._top, static_argnums=2),
+    )
 
 
 def _propose(proposer, pparams, state, ctx):
@@ -165,8 +178,7 @@ def _chain_top(proposer, pparams, state, ctx, path, k):
     cache = state.cache(ctx.block_tables)
     h = state.next_hidden
     for tok in path:
-        out, cache = run_chain(pparams, cache, jnp.asarray([[tok]]), h[:, None], cache.lengths,
-                               jnp.ones((1, 1), bool))
+        out, cache = run_chain(pparams, cache, jnp.asarray([[tok]]), h[:, None], cache.lengths, jnp.ones((1, 1), bool))
         cache = cache.replace(lengths=cache.lengths + 1)
         h = out[:, 0]
     logp, ids = top(pparams, h, k)
@@ -214,8 +226,7 @@ def test_dynamic_tree_is_valid_and_best_first(target, total, depth, top_k):
     pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
     state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0])
     tree, _ = _propose(proposer, pparams, state, ctx)
-    parent, dep, tok, valid = (np.asarray(a[0]) for a in (tree.parent, tree.depth, tree.tokens,
-                                                           tree.valid))
+    parent, dep, tok, valid = (np.asarray(a[0]) for a in (tree.parent, tree.depth, tree.tokens, tree.valid))
     assert valid.all() and tree.size == total
     assert parent[0] == -1 and dep[0] == 0
     assert all(0 <= parent[i] < i and dep[i] == dep[parent[i]] + 1 for i in range(1, total))
@@ -232,7 +243,7 @@ def test_dynamic_tree_is_valid_and_best_first(target, total, depth, top_k):
             children += [(path + (t,), s + lp) for t, lp in zip(ids, logp)]
         candidates += children
         layer = sorted(children, key=lambda c: -c[1])[:top_k]
-    best = sorted(candidates, key=lambda c: -c[1])[:total - 1]
+    best = sorted(candidates, key=lambda c: -c[1])[: total - 1]
     assert {p for p, _ in best} == {tuple(p) for i, p in _paths(tree).items() if i}
 
 
@@ -255,8 +266,7 @@ def test_eagle3_greedy_equals_vanilla(target, kind):
     if kind == "chain":
         proposer = EagleChainProposer(cfg3, net=Eagle3Net(layers), max_draft_len=3)
     else:
-        proposer = EagleDynamicProposer(cfg3, net=Eagle3Net(layers),
-                                        total_tokens=10, depth=3, top_k=3)
+        proposer = EagleDynamicProposer(cfg3, net=Eagle3Net(layers), total_tokens=10, depth=3, top_k=3)
     eng = Engine(target, CFG, num_pages=256, page_size=4)
     vanilla = eng.generate(PROMPTS, 20, eos_token_ids=())
     spec = eng.generate(PROMPTS, 20, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
@@ -271,8 +281,7 @@ def test_eagle3_tree_nodes_are_in_the_draft_vocabulary(target):
     from specjax.proposers.eagle3_net import draft_to_target
 
     cfg3, pparams, layers = random_eagle3(target, jax.random.PRNGKey(8))
-    proposer = EagleDynamicProposer(cfg3, net=Eagle3Net(layers),
-                                    total_tokens=8, depth=2, top_k=3)
+    proposer = EagleDynamicProposer(cfg3, net=Eagle3Net(layers), total_tokens=8, depth=2, top_k=3)
 
     state, ctx = _draft_state(target, proposer, pparams, PROMPTS[0], layers)
     tree, _ = _propose(proposer, pparams, state, ctx)
@@ -309,10 +318,8 @@ def test_frequent_token_draft_vocabulary(target):
 
 MIN_PROB_PROPOSERS = {
     "chain": lambda cfg, m: EagleChainProposer(cfg, max_draft_len=4, min_prob=m),
-    "static": lambda cfg, m: EagleTreeProposer(cfg, eagle_choices=((0, 0, 0), (1, 0), (2,)),
-                                               min_prob=m),
-    "dynamic": lambda cfg, m: EagleDynamicProposer(cfg, total_tokens=12, depth=3, top_k=3,
-                                                   min_prob=m),
+    "static": lambda cfg, m: EagleTreeProposer(cfg, eagle_choices=((0, 0, 0), (1, 0), (2,)), min_prob=m),
+    "dynamic": lambda cfg, m: EagleDynamicProposer(cfg, total_tokens=12, depth=3, top_k=3, min_prob=m),
 }
 
 
@@ -347,12 +354,11 @@ def test_min_prob_keeps_exactly_the_confident_drafts(target, kind):
     valid = np.asarray(tree.valid[0])
     assert {tuple(p) for i, p in _paths(tree).items() if i} == expected
     if kind != "static":
-        assert valid[:len(expected) + 1].all() and not valid[len(expected) + 1:].any()
+        assert valid[: len(expected) + 1].all() and not valid[len(expected) + 1 :].any()
     eng = Engine(target, CFG, num_pages=256, page_size=4)
     vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
     for proposer in (pruned, MIN_PROB_PROPOSERS[kind](draft_cfg, 1.0)):
-        spec = eng.generate(PROMPTS, 16, eos_token_ids=(), proposer=proposer,
-                            proposer_params=pparams)
+        spec = eng.generate(PROMPTS, 16, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
         assert spec.token_ids == vanilla.token_ids
     assert spec.steps == [16, 16, 16]  # a floor of 1: nothing drafted, one token per step
     with pytest.raises(ValueError, match=r"min_prob .* must be in \[0, 1\], got 1.5"):

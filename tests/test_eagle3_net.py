@@ -12,28 +12,49 @@ import numpy as np
 import pytest
 import torch
 
-from specjax.convert.eagle import is_eagle_dir
-from specjax.convert.eagle3 import convert_eagle3, is_eagle3_dir, read_eagle3
-from specjax.convert.hf import convert_checkpoint
 from specjax import PagedKVCache, causal_mask
 from specjax.cache import init_pages
 from specjax.checkpoint import CheckpointError
-from specjax.config import ModelConfig
+from specjax.convert.eagle import is_eagle_dir
+from specjax.convert.eagle3 import convert_eagle3, is_eagle3_dir, read_eagle3
+from specjax.convert.hf import convert_checkpoint
 from specjax.heads import check_compatible
-from specjax.proposers.eagle3_net import (draft_to_target, eagle3_feature_layers, eagle3_forward,
-                                          eagle3_fuse, eagle3_logprobs, feature_layers_of,
-                                          init_eagle3_params, load_eagle3_heads,
-                                          save_eagle3_heads)
+from specjax.model_config import ModelConfig
+from specjax.proposers.eagle3_net import (
+    draft_to_target,
+    eagle3_feature_layers,
+    eagle3_forward,
+    eagle3_fuse,
+    eagle3_logprobs,
+    feature_layers_of,
+    init_eagle3_params,
+    load_eagle3_heads,
+    save_eagle3_heads,
+)
 
 D, H, KVH, F, V, VD = 64, 4, 2, 128, 320, 96
 HD = D // H
 EPS, THETA = 1e-5, 1000.0
-CONFIG = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "bos_token_id": 1,
-          "eos_token_id": 2, "pad_token_id": 0, "hidden_act": "silu", "hidden_size": D,
-          "intermediate_size": F, "max_position_embeddings": 2048, "num_attention_heads": H,
-          "num_key_value_heads": KVH, "num_hidden_layers": 1, "rms_norm_eps": EPS,
-          "rope_theta": THETA, "tie_word_embeddings": False, "torch_dtype": "float16",
-          "vocab_size": V, "draft_vocab_size": VD}
+CONFIG = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": D,
+    "intermediate_size": F,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": H,
+    "num_key_value_heads": KVH,
+    "num_hidden_layers": 1,
+    "rms_norm_eps": EPS,
+    "rope_theta": THETA,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vocab_size": V,
+    "draft_vocab_size": VD,
+}
 
 
 def _state_dict(seed=0):
@@ -50,16 +71,20 @@ def _state_dict(seed=0):
     m = "midlayer."
     return {
         "fc.weight": w(D, 3 * D),
-        m + "input_layernorm.weight": norm(), m + "hidden_norm.weight": norm(),
+        m + "input_layernorm.weight": norm(),
+        m + "hidden_norm.weight": norm(),
         m + "self_attn.q_proj.weight": w(H * HD, 2 * D),
         m + "self_attn.k_proj.weight": w(KVH * HD, 2 * D),
         m + "self_attn.v_proj.weight": w(KVH * HD, 2 * D),
         m + "self_attn.o_proj.weight": w(D, H * HD),
         m + "post_attention_layernorm.weight": norm(),
-        m + "mlp.gate_proj.weight": w(F, D), m + "mlp.up_proj.weight": w(F, D),
+        m + "mlp.gate_proj.weight": w(F, D),
+        m + "mlp.up_proj.weight": w(F, D),
         m + "mlp.down_proj.weight": w(D, F),
-        "norm.weight": norm(), "lm_head.weight": w(VD, D, s=0.5),
-        "d2t": kept - torch.arange(VD), "t2d": torch.isin(torch.arange(V), kept),
+        "norm.weight": norm(),
+        "lm_head.weight": w(VD, D, s=0.5),
+        "d2t": kept - torch.arange(VD),
+        "t2d": torch.isin(torch.arange(V), kept),
     }
 
 
@@ -92,7 +117,7 @@ def _rope(x, pos):  # x [N, heads, HD], rotate-half layout
     inv = 1.0 / THETA ** (torch.arange(0, HD, 2).float() / HD)
     ang = pos[:, None].float() * inv
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-    rot = torch.cat([-x[..., HD // 2:], x[..., :HD // 2]], -1)
+    rot = torch.cat([-x[..., HD // 2 :], x[..., : HD // 2]], -1)
     return x * cos + rot * sin
 
 
@@ -100,8 +125,7 @@ def ref_layer(sd, emb, h, pos, mask):
     """EAGLE-3 midlayer over N tokens: emb, h [N, D], pos [N], mask bool [N query, N key]."""
     m = "midlayer."
     n = h.shape[0]
-    x_in = torch.cat([_rms(emb, sd[m + "input_layernorm.weight"]),
-                      _rms(h, sd[m + "hidden_norm.weight"])], -1)
+    x_in = torch.cat([_rms(emb, sd[m + "input_layernorm.weight"]), _rms(h, sd[m + "hidden_norm.weight"])], -1)
     q = _rope((x_in @ sd[m + "self_attn.q_proj.weight"].T).view(n, H, HD), pos)
     k = _rope((x_in @ sd[m + "self_attn.k_proj.weight"].T).view(n, KVH, HD), pos)
     v = (x_in @ sd[m + "self_attn.v_proj.weight"].T).view(n, KVH, HD)
@@ -167,20 +191,37 @@ def test_forward_matches_pytorch(eagle3_dir, tmp_path):
     e, tok = jnp.asarray(embed.numpy()), jnp.asarray(tokens.numpy())
     fused = eagle3_fuse(params, jnp.asarray(feats3.numpy()))
     valid = jnp.arange(t1)[None, :] < jnp.asarray(n_real)[:, None]
-    out1, cache = fwd(params, config, e, tok[:, :t1], fused, jnp.broadcast_to(jnp.arange(t1), (b, t1)),
-                      cache, causal_mask(b, t1), valid)
+    out1, cache = fwd(
+        params,
+        config,
+        e,
+        tok[:, :t1],
+        fused,
+        jnp.broadcast_to(jnp.arange(t1), (b, t1)),
+        cache,
+        causal_mask(b, t1),
+        valid,
+    )
     lengths = jnp.asarray(n_real, jnp.int32)
     cache = cache.replace(lengths=lengths)
-    tree_tok = jnp.stack([tok[i, n_real[i]:n_real[i] + 4] for i in range(b)])
+    tree_tok = jnp.stack([tok[i, n_real[i] : n_real[i] + 4] for i in range(b)])
     ft = jnp.asarray(feats_tree.numpy())
     level1 = jnp.asarray([[1, 0, 0, 0], [0, 1, 0, 0]], bool)
     level2 = jnp.asarray([[1, 0, 1, 0], [0, 1, 0, 1]], bool)  # node 2 <- node 0, node 3 <- node 1
     outs = []
     for lvl, mask in enumerate((level1, level2)):
         cols = jnp.arange(2 * lvl, 2 * lvl + 2)
-        o, cache = fwd(params, config, e, tree_tok[:, cols], ft[:, cols],
-                       jnp.broadcast_to(lengths[:, None] + lvl, (b, 2)), cache,
-                       jnp.broadcast_to(mask, (b, 2, 4)), slots=lengths[:, None] + cols[None, :])
+        o, cache = fwd(
+            params,
+            config,
+            e,
+            tree_tok[:, cols],
+            ft[:, cols],
+            jnp.broadcast_to(lengths[:, None] + lvl, (b, 2)),
+            cache,
+            jnp.broadcast_to(mask, (b, 2, 4)),
+            slots=lengths[:, None] + cols[None, :],
+        )
         outs.append(o)
     tree_out = jnp.concatenate(outs, axis=1)
     assert np.isfinite(np.asarray(tree_out)).all()
@@ -232,17 +273,31 @@ def test_own_embedding_and_safetensors(tmp_path):
     h = torch.randn(1, t, D)
     k, v = init_pages(config, 2, 4)
     cache = PagedKVCache(k, v, jnp.asarray([[0, 1]], jnp.int32), jnp.zeros(1, jnp.int32))
-    got, _ = eagle3_forward(params, config, jnp.zeros((V, D)), jnp.asarray(tokens.numpy()),
-                            jnp.asarray(h.numpy()), jnp.arange(t)[None], cache, causal_mask(1, t))
+    got, _ = eagle3_forward(
+        params,
+        config,
+        jnp.zeros((V, D)),
+        jnp.asarray(tokens.numpy()),
+        jnp.asarray(h.numpy()),
+        jnp.arange(t)[None],
+        cache,
+        causal_mask(1, t),
+    )
     with torch.no_grad():
-        want = ref_layer(sd, sd["embed_tokens.weight"][tokens[0]], h[0], torch.arange(t),
-                         torch.tril(torch.ones(t, t, dtype=torch.bool)))
+        want = ref_layer(
+            sd,
+            sd["embed_tokens.weight"][tokens[0]],
+            h[0],
+            torch.arange(t),
+            torch.tril(torch.ones(t, t, dtype=torch.bool)),
+        )
     assert rel_err(got[0], want) < 1e-4
 
 
 def test_init_save_load(tmp_path):
-    target = ModelConfig(V, D, F, 12, H, KVH, HD, rope_theta=THETA, architecture="Qwen2ForCausalLM",
-                         attention_bias=True)
+    target = ModelConfig(
+        V, D, F, 12, H, KVH, HD, rope_theta=THETA, architecture="Qwen2ForCausalLM", attention_bias=True
+    )
     counts = np.zeros(V)
     counts[[7, 300, 5, 100]] = [10, 9, 8, 7]
     config, params = init_eagle3_params(jax.random.PRNGKey(0), target, 4, token_counts=counts)
@@ -250,8 +305,7 @@ def test_init_save_load(tmp_path):
     assert np.array_equal(np.asarray(draft_to_target(params, jnp.arange(4))), [5, 7, 100, 300])
     _, first = init_eagle3_params(jax.random.PRNGKey(0), target, 4)
     assert np.array_equal(np.asarray(draft_to_target(first, jnp.arange(4))), [0, 1, 2, 3])
-    out = save_eagle3_heads(tmp_path / "h", config, params,
-                            {"feature_layers": list(eagle3_feature_layers(12))})
+    out = save_eagle3_heads(tmp_path / "h", config, params, {"feature_layers": list(eagle3_feature_layers(12))})
     config2, params2, meta = load_eagle3_heads(out)
     assert config2 == config
     assert meta["feature_layers"] == [1, 5, 8] and meta["draft_vocab_size"] == 4
@@ -296,8 +350,7 @@ def test_bad_inputs(tmp_path, capsys):
     del sd["d2t"]
     _one_line_error(_write(tmp_path / "d2t", sd), "lacks tensor 'd2t'")
 
-    _one_line_error(_write(tmp_path / "layers", _state_dict(), {**CONFIG, "num_hidden_layers": 2}),
-                    "2 layers")
+    _one_line_error(_write(tmp_path / "layers", _state_dict(), {**CONFIG, "num_hidden_layers": 2}), "2 layers")
 
 
 def test_generate_with_eagle3_heads_equals_vanilla(eagle3_dir, tmp_path, tiny_llama, capsys):
@@ -307,15 +360,56 @@ def test_generate_with_eagle3_heads_equals_vanilla(eagle3_dir, tmp_path, tiny_ll
 
     d = eagle3_dir[0]
     assert main(["convert", str(d), "--out", str(tmp_path / "sj")]) == 0
-    base = ["generate", "--model", str(tiny_llama[0]), "--raw", "--json", "--max-new-tokens", "16",
-            "--prompt", "The quick brown fox", "--prompt", "1 + 1 =", "--batch-size", "2"]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_llama[0]),
+        "--raw",
+        "--json",
+        "--max-new-tokens",
+        "16",
+        "--prompt",
+        "The quick brown fox",
+        "--prompt",
+        "1 + 1 =",
+        "--batch-size",
+        "2",
+    ]
     capsys.readouterr()
     outs = []
-    for extra in ([], ["--method", "eagle3", "--heads", str(tmp_path / "sj"),
-                       "--eagle-total-tokens", "8", "--eagle-depth", "2", "--eagle-top-k", "3"]):
+    for extra in (
+        [],
+        [
+            "--method",
+            "eagle3",
+            "--heads",
+            str(tmp_path / "sj"),
+            "--eagle-total-tokens",
+            "8",
+            "--eagle-depth",
+            "2",
+            "--eagle-top-k",
+            "3",
+        ],
+    ):
         assert main(base + extra) == 0
         outs.append([json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()])
     assert outs[0] == outs[1]
-    assert main(["generate", "--model", str(tiny_llama[0]), "--raw", "--prompt", "hi",
-                 "--method", "eagle2", "--heads", str(tmp_path / "sj")]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_llama[0]),
+                "--raw",
+                "--prompt",
+                "hi",
+                "--method",
+                "eagle2",
+                "--heads",
+                str(tmp_path / "sj"),
+            ]
+        )
+        == 1
+    )
     assert "holds eagle3 heads, not eagle heads" in capsys.readouterr().err

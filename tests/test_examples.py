@@ -23,8 +23,7 @@ def run(*cmd, env=None, timeout=900) -> str:
     """stdout of a command run from the repository root in reduced mode (fails on exit != 0)."""
     full = {**os.environ, "SPECJAX_EXAMPLES_SMOKE": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
     full.pop("XLA_FLAGS", None)  # sharded.py sets its own device count
-    p = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=full, capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{cmd} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 
@@ -33,8 +32,7 @@ def fields(line: str) -> dict:
     """key=value pairs of a printed summary line (numbers as floats, True/False as bools)."""
     out = {}
     for k, v in re.findall(r"(\w+)=(\S+)", line):
-        out[k] = v == "True" if v in ("True", "False") else float(v) if re.fullmatch(
-            r"-?[\d.]+", v) else v
+        out[k] = v == "True" if v in ("True", "False") else float(v) if re.fullmatch(r"-?[\d.]+", v) else v
     return out
 
 
@@ -45,17 +43,28 @@ def summary_lines(stdout: str, key: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def cli_eagle2():
     """`specjax generate --method eagle2` on the poem prompt: the reference of two examples."""
-    out = run(sys.executable, "-m", "specjax.cli", "generate", "--method", "eagle2", "--prompt",
-              POEM, "--max-new-tokens", SMOKE_TOKENS, "--json")
+    out = run(
+        sys.executable,
+        "-m",
+        "specjax.cli",
+        "generate",
+        "--method",
+        "eagle2",
+        "--prompt",
+        POEM,
+        "--max-new-tokens",
+        SMOKE_TOKENS,
+        "--json",
+    )
     return json.loads(out.splitlines()[0])
 
 
 @pytest.fixture(scope="module")
 def newline_ids():
     """Token ids whose text holds a newline (custom_loop.py's stop rule), and EOS ids."""
-    from specjax.config import ModelConfig
     from specjax.checkpoint import read_json
     from specjax.loading import load_tokenizer, resolve_model_path
+    from specjax.model_config import ModelConfig
 
     path = resolve_model_path("smollm2-135m")
     tok = load_tokenizer(path)
@@ -112,8 +121,11 @@ def test_sharded_example(cli_eagle2):
     out = run(sys.executable, EXAMPLES / "sharded.py")
     assert "devices=8 mesh={'data': 2, 'model': 3}" in out
     assert "P('model', None), (192, 576) per device" in out  # q rows (outputs) split 3 ways
-    answers = dict(tuple(map(ast.literal_eval, l[len("[mesh] "):].split(" -> ", 1)))
-                   for l in out.splitlines() if l.startswith("[mesh] ") and " -> " in l)
+    answers = dict(
+        tuple(map(ast.literal_eval, l[len("[mesh] ") :].split(" -> ", 1)))
+        for l in out.splitlines()
+        if l.startswith("[mesh] ") and " -> " in l
+    )
     assert len(answers) == 2 and all(a.strip() for a in answers.values())
     # Greedy and lossless on the mesh too: a prefix of the one-device CLI answer.
     poem = answers[POEM]

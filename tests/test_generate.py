@@ -19,15 +19,24 @@ def tiny(tiny_llama):
     return load_model(str(d)), torch_model
 
 
-PROMPTS = [[5, 17, 33, 90, 12, 7, 8], [44], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110,
-                                              111, 112, 113, 114, 115, 116, 117, 118]]
+PROMPTS = [
+    [5, 17, 33, 90, 12, 7, 8],
+    [44],
+    [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118],
+]
 
 
 def hf_greedy(torch_model, prompt, n):
     with torch.no_grad():
-        out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                   min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = torch_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_equals_transformers_generate(tiny):
@@ -42,11 +51,13 @@ def test_greedy_equals_transformers_generate(tiny):
 def test_batch_equals_single(tiny):
     model, _ = tiny
     eng = Engine(model.params, model.config, num_pages=64, page_size=4)
-    batch = eng.generate(PROMPTS, max_new_tokens=12, eos_token_ids=(),
-                         sampling=SamplingConfig(temperature=1.0), seeds=[3, 4, 5])
+    batch = eng.generate(
+        PROMPTS, max_new_tokens=12, eos_token_ids=(), sampling=SamplingConfig(temperature=1.0), seeds=[3, 4, 5]
+    )
     for i, p in enumerate(PROMPTS):
-        single = eng.generate([p], max_new_tokens=12, eos_token_ids=(),
-                              sampling=SamplingConfig(temperature=1.0), seeds=[3 + i])
+        single = eng.generate(
+            [p], max_new_tokens=12, eos_token_ids=(), sampling=SamplingConfig(temperature=1.0), seeds=[3 + i]
+        )
         assert single.token_ids[0] == batch.token_ids[i]
 
 
@@ -79,8 +90,7 @@ def test_sampling_is_seeded_per_request(tiny):
     assert c.token_ids[0] != a.token_ids[0]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8),
-                                                    (0.9, 20, 0.6)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.6)])
 def test_processed_logprobs_match_transformers_warpers(temperature, top_k, top_p):
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -91,8 +101,7 @@ def test_processed_logprobs_match_transformers_warpers(temperature, top_k, top_p
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
     want = torch.softmax(scores, -1).numpy()
-    got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits.numpy()),
-                                               SamplingConfig(temperature, top_k, top_p))))
+    got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits.numpy()), SamplingConfig(temperature, top_k, top_p))))
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
@@ -102,9 +111,14 @@ def test_top_p_mask_equals_the_sorted_rule(top_p):
     from specjax.sampling import top_p_mask
 
     rng = np.random.default_rng(1)
-    rows = [rng.normal(size=300) * 3, np.round(rng.normal(size=300)), rng.normal(size=300) * 1e-3,
-            np.where(rng.random(300) < 0.5, -np.inf, rng.normal(size=300)),
-            np.array([0.0, -0.0] * 150), np.round(rng.normal(size=300) * 0.3) * 1.0]
+    rows = [
+        rng.normal(size=300) * 3,
+        np.round(rng.normal(size=300)),
+        rng.normal(size=300) * 1e-3,
+        np.where(rng.random(300) < 0.5, -np.inf, rng.normal(size=300)),
+        np.array([0.0, -0.0] * 150),
+        np.round(rng.normal(size=300) * 0.3) * 1.0,
+    ]
     logits = np.stack(rows).astype(np.float32)
     want = []
     for row in logits:  # HF's rule by sorting: keep a token if the mass before it is < top_p
@@ -123,14 +137,21 @@ def test_argmax_last_and_gumbel_max_draw_give_what_jax_gives():
     from specjax.sampling import argmax_last, gumbel_max_draw
 
     rng = np.random.default_rng(2)
-    rows = np.stack([rng.normal(size=500) * 3, np.round(rng.normal(size=500)),
-                     np.where(rng.random(500) < 0.9, -np.inf, rng.normal(size=500)),
-                     np.full(500, -np.inf), np.where(np.arange(500) == 7, np.nan, 1.0),
-                     np.where(np.arange(500) % 3 == 0, np.nan, 0.0)]).astype(np.float32)
+    rows = np.stack(
+        [
+            rng.normal(size=500) * 3,
+            np.round(rng.normal(size=500)),
+            np.where(rng.random(500) < 0.9, -np.inf, rng.normal(size=500)),
+            np.full(500, -np.inf),
+            np.where(np.arange(500) == 7, np.nan, 1.0),
+            np.where(np.arange(500) % 3 == 0, np.nan, 0.0),
+        ]
+    ).astype(np.float32)
     x = jnp.asarray(rows)
     np.testing.assert_array_equal(np.asarray(argmax_last(x)), np.asarray(jnp.argmax(x, axis=-1)))
-    np.testing.assert_array_equal(np.asarray(argmax_last(x[:, :9].reshape(2, 3, 9))),
-                                  np.asarray(jnp.argmax(x[:, :9].reshape(2, 3, 9), axis=-1)))
+    np.testing.assert_array_equal(
+        np.asarray(argmax_last(x[:, :9].reshape(2, 3, 9))), np.asarray(jnp.argmax(x[:, :9].reshape(2, 3, 9), axis=-1))
+    )
     # blockwise: whole blocks, a padded last block, ties across blocks, the max in the last slot
     ties = np.where(np.isin(np.arange(500), [40, 41, 300]), 5.0, 0.0)
     last = np.where(np.arange(500) == 499, 9.0, rng.normal(size=500))
@@ -144,8 +165,9 @@ def test_argmax_last_and_gumbel_max_draw_give_what_jax_gives():
         if width > 500:
             w[-2, -1] = 9.0e9  # the largest value in the padded last block's last real slot
         got = argmax_last(jnp.asarray(w).reshape(-1, 1, width), block=block)
-        np.testing.assert_array_equal(np.asarray(got).ravel(), np.argmax(w, axis=-1),
-                                      err_msg=f"width {width}, block {block}")
+        np.testing.assert_array_equal(
+            np.asarray(got).ravel(), np.argmax(w, axis=-1), err_msg=f"width {width}, block {block}"
+        )
     keys = jax.random.split(jax.random.PRNGKey(3), 400)
     finite = x[:3]
     got = jax.vmap(lambda k: gumbel_max_draw(k, finite))(keys)
@@ -162,14 +184,18 @@ def test_inverse_cdf_draw_follows_softmax():
     within one block (one level). A draw from a distribution 3% off in temperature is caught;
     tokens without mass are never drawn."""
     from specjax.sampling import categorical, inverse_cdf_draw
-    from tests.test_accept_sampling import N, P_BROKEN, P_OK, chi2_pvalue
+    from tests.test_accept_sampling import P_BROKEN, P_OK, N, chi2_pvalue
 
     v, block = 1000, 64  # 16 blocks, the last one 40 tokens short
     rng = np.random.default_rng(4)
-    rows = np.stack([rng.normal(size=v) * 2,
-                     np.where(rng.random(v) < 0.9, -np.inf, rng.normal(size=v)),
-                     np.where(np.arange(v) == 990, 6.0, np.where(np.arange(v) < 500, -np.inf, 0.0)),
-                     np.full(v, -np.inf)]).astype(np.float32)
+    rows = np.stack(
+        [
+            rng.normal(size=v) * 2,
+            np.where(rng.random(v) < 0.9, -np.inf, rng.normal(size=v)),
+            np.where(np.arange(v) == 990, 6.0, np.where(np.arange(v) < 500, -np.inf, 0.0)),
+            np.full(v, -np.inf),
+        ]
+    ).astype(np.float32)
     logits = jnp.asarray(rows)
     keys = jax.random.split(jax.random.PRNGKey(5), N)
     draw = jax.jit(jax.vmap(lambda k, x: inverse_cdf_draw(k, x, block), in_axes=(0, None)))
@@ -210,9 +236,15 @@ def test_sample_distribution_chi_square():
     assert stats.chisquare(counts[support], wrong[support] / wrong[support].sum() * n).pvalue < 1e-6
 
 
-@pytest.mark.parametrize("kwargs,word", [({"temperature": -0.5}, "temperature"),
-                                         ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-                                         ({"top_k": -1}, "top_k")])
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
 def test_bad_sampling_settings(kwargs, word):
     with pytest.raises(SamplingError, match=word):
         SamplingConfig(**kwargs)
@@ -262,20 +294,29 @@ def test_continuous_batching_equals_generate(tiny, slots, refill, chunk, monkeyp
     s = SamplingConfig(temperature=1.0)
     free = eng.generate([MANY[0]], 12, sampling=s, seeds=[100], eos_token_ids=())
     eos = (free.token_ids[0][5],)  # a token sampled early, so some answers end before 12
-    got = list(eng.generate_continuous(MANY, 12, slots=slots, refill=refill, sampling=s,
-                                       seeds=[100 + i for i in range(len(MANY))],
-                                       eos_token_ids=eos))
+    got = list(
+        eng.generate_continuous(
+            MANY,
+            12,
+            slots=slots,
+            refill=refill,
+            sampling=s,
+            seeds=[100 + i for i in range(len(MANY))],
+            eos_token_ids=eos,
+        )
+    )
     assert sorted(r.index for r in got) == list(range(len(MANY)))
     for r in got:
-        one = eng.generate([MANY[r.index]], 12, sampling=s, seeds=[100 + r.index],
-                           eos_token_ids=eos)
+        one = eng.generate([MANY[r.index]], 12, sampling=s, seeds=[100 + r.index], eos_token_ids=eos)
         assert r.token_ids == one.token_ids[0]
         assert r.finished_by_eos == one.finished_by_eos[0]
         assert r.steps == one.steps[0] == len(r.token_ids)
     assert any(r.finished_by_eos for r in got) and not all(r.finished_by_eos for r in got)
     assert eng.allocator.num_free == 64  # every page back; the engine still works
-    assert eng.generate([MANY[3]], 4, eos_token_ids=()).token_ids[0] == eng.generate(
-        [MANY[3]], 4, eos_token_ids=()).token_ids[0]
+    assert (
+        eng.generate([MANY[3]], 4, eos_token_ids=()).token_ids[0]
+        == eng.generate([MANY[3]], 4, eos_token_ids=()).token_ids[0]
+    )
 
 
 def test_continuous_batching_waits_for_pages(tiny):
@@ -286,10 +327,10 @@ def test_continuous_batching_waits_for_pages(tiny):
     model, _ = tiny
     eng = Engine(model.params, model.config, num_pages=10, page_size=4)  # 5 pages per sequence
     prompts = [p[:8] for p in MANY[:5]]
-    got = {r.index: r.token_ids for r in eng.generate_continuous(prompts, 10, slots=4,
-                                                                 eos_token_ids=())}
-    want = Engine(model.params, model.config, num_pages=64, page_size=4).generate(
-        prompts, 10, eos_token_ids=()).token_ids
+    got = {r.index: r.token_ids for r in eng.generate_continuous(prompts, 10, slots=4, eos_token_ids=())}
+    want = (
+        Engine(model.params, model.config, num_pages=64, page_size=4).generate(prompts, 10, eos_token_ids=()).token_ids
+    )
     assert [got[i] for i in range(5)] == want
     small = Engine(model.params, model.config, num_pages=3, page_size=4)
     with pytest.raises(CacheFullError, match="out of pages"):

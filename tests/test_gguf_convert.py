@@ -59,10 +59,17 @@ def _hf_weights(vocab: int, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
 
 def _gguf_name(hf: str) -> str:
     table = {
-        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }
     if hf in table:
@@ -328,8 +335,11 @@ def mismatched_tensors(ours: dict, ref: dict) -> list[str]:
     """Names whose tensors differ (in shape or any value) between two state dicts of numpy arrays,
     and names that only one of them has."""
     names = sorted(set(ours) | set(ref))
-    return [n for n in names if n not in ours or n not in ref or ours[n].shape != ref[n].shape
-            or not np.array_equal(ours[n], ref[n])]
+    return [
+        n
+        for n in names
+        if n not in ours or n not in ref or ours[n].shape != ref[n].shape or not np.array_equal(ours[n], ref[n])
+    ]
 
 
 def test_embedded_smollm2_equals_transformers_gguf_loader(smollm):
@@ -353,7 +363,8 @@ def test_embedded_smollm2_tokenizer(smollm):
     out, _ = smollm
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert tok.decode(tok("Hello, world!")["input_ids"]) == "Hello, world!"

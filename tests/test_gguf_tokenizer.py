@@ -25,18 +25,46 @@ from specjax.convert.gguf_tokenizer import byte_alphabet, gguf_tokenizer  # noqa
 ROOT = Path(__file__).resolve().parents[1]
 
 FRAGMENTS = [
-    "Hello, world!", "The quick brown fox jumps over the lazy dog.", "  leading spaces", "trailing  ",
-    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n", "for (int i = 0; i < 10; ++i) { x[i] = 0; }",
-    "import numpy as np\nnp.zeros((3, 4), dtype=np.float32)", "SELECT * FROM users WHERE id = 42;",
-    "12345 + 678 = 13023", "3.14159265358979", "1,000,000 people", "x**2 - 4*x + 4 == 0",
-    "Ünïcödé façade naïve café", "日本語のテキストです。", "中文字符和标点，测试。", "한국어 문장입니다",
-    "Ελληνικά και русский текст", "עברית ועربية", "emoji 😀🎉👍🏽 and flags 🇫🇷",
-    "tabs\tand\nnewlines\r\nmixed", "\n\n\n", "    ", "",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>",
-    "text<|im_end|>more text", "I'm sure you're right, they'll see it's done.", "don't DON'T Don't",
-    "https://example.com/path?query=1&b=2#frag", "email@example.org", "C:\\Windows\\System32",
-    "   \n  \t indented\n\tblock", "a" * 40, "ab" * 25, "The the THE tHe", "\u00a0non-breaking\u2009thin",
-    "zero\u200bwidth", "combining e\u0301 accent", "math ∑ ∫ √ ∞ ≠ ≤", "<think>reasoning</think>",
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces",
+    "trailing  ",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < 10; ++i) { x[i] = 0; }",
+    "import numpy as np\nnp.zeros((3, 4), dtype=np.float32)",
+    "SELECT * FROM users WHERE id = 42;",
+    "12345 + 678 = 13023",
+    "3.14159265358979",
+    "1,000,000 people",
+    "x**2 - 4*x + 4 == 0",
+    "Ünïcödé façade naïve café",
+    "日本語のテキストです。",
+    "中文字符和标点，测试。",
+    "한국어 문장입니다",
+    "Ελληνικά και русский текст",
+    "עברית ועربية",
+    "emoji 😀🎉👍🏽 and flags 🇫🇷",
+    "tabs\tand\nnewlines\r\nmixed",
+    "\n\n\n",
+    "    ",
+    "",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>",
+    "text<|im_end|>more text",
+    "I'm sure you're right, they'll see it's done.",
+    "don't DON'T Don't",
+    "https://example.com/path?query=1&b=2#frag",
+    "email@example.org",
+    "C:\\Windows\\System32",
+    "   \n  \t indented\n\tblock",
+    "a" * 40,
+    "ab" * 25,
+    "The the THE tHe",
+    "\u00a0non-breaking\u2009thin",
+    "zero\u200bwidth",
+    "combining e\u0301 accent",
+    "math ∑ ∫ √ ∞ ≠ ≤",
+    "<think>reasoning</think>",
 ]
 
 
@@ -75,9 +103,18 @@ def assert_same_tokenizer(ours, ref, strings: list[str]) -> None:
 # --------------------------------------------------------------------------- hand-built files
 
 
-def write_tokenizer_gguf(path: Path, kind: str, tokens: list[str], types: list[int], *, pre: str | None = None,
-                         merges: list[str] | None = None, scores: list[float] | None = None,
-                         add_bos: bool | None = None, template: str | None = None) -> Path:
+def write_tokenizer_gguf(
+    path: Path,
+    kind: str,
+    tokens: list[str],
+    types: list[int],
+    *,
+    pre: str | None = None,
+    merges: list[str] | None = None,
+    scores: list[float] | None = None,
+    add_bos: bool | None = None,
+    template: str | None = None,
+) -> Path:
     """A GGUF holding tokenizer metadata only (enough for both tokenizer builders)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model(kind)
@@ -110,7 +147,7 @@ def sentencepiece_vocab(strings: list[str], n_pieces: int = 300) -> tuple[list[s
         text = "▁" + s.replace(" ", "▁")
         for n in range(1, 6):
             for i in range(len(text) - n + 1):
-                piece = text[i:i + n]
+                piece = text[i : i + n]
                 if "\n" not in piece and "\t" not in piece:
                     counts[piece] = counts.get(piece, 0) + 1
     singles = sorted({p for p in counts if len(p) == 1})
@@ -143,8 +180,12 @@ def test_byte_level_splits_match_transformers(tmp_path, pre):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     strings = varied_strings(200, seed=2)
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>", "<|begin|>", "<|end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=["<|endoftext|>", "<|begin|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator(strings, trainer)
@@ -152,8 +193,9 @@ def test_byte_level_splits_match_transformers(tmp_path, pre):
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])] + ["<think>"]
     types = [3, 3, 3] + [1] * (len(tokens) - 4) + [4]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    path = write_tokenizer_gguf(tmp_path / "bpe.gguf", "gpt2", tokens, types, pre=pre, merges=merges,
-                                add_bos=pre == "llama-bpe")
+    path = write_tokenizer_gguf(
+        tmp_path / "bpe.gguf", "gpt2", tokens, types, pre=pre, merges=merges, add_bos=pre == "llama-bpe"
+    )
     ours, ref = gguf_tokenizer(read_meta(path)), transformers_gguf_tokenizer(path)
     assert ours("<think>x")["input_ids"][int(pre == "llama-bpe")] == len(tokens) - 1  # kept whole
     assert_same_tokenizer(ours, ref, strings)
@@ -182,7 +224,7 @@ def test_conversion_works_without_torch(tmp_path):
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         from specjax.convert.gguf import gguf_to_hf
         from specjax.loading import load_tokenizer
-        out = gguf_to_hf({str(tmp_path / 'tiny.gguf')!r}, {str(tmp_path / 'hf')!r})
+        out = gguf_to_hf({str(tmp_path / "tiny.gguf")!r}, {str(tmp_path / "hf")!r})
         tok = load_tokenizer(out)
         assert tok.decode(tok("hello world").input_ids) == "hello world"
         assert "torch" not in {{m.split(".")[0] for m, v in sys.modules.items() if v is not None}}
@@ -217,8 +259,12 @@ def test_embedded_smollm2_matches_transformers(smollm_gguf):
     assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
     chats = [
         [{"role": "user", "content": "Write a haiku about the sea."}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
-         {"role": "assistant", "content": "4"}, {"role": "user", "content": "日本語で?"}],
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "日本語で?"},
+        ],
     ]
     for chat in chats:
         for gen in (False, True):

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py cannot arrive broken at a GPU: its smoke run and its CUDA pre-flight
-(tp = 2 for every method, dp = 2 x tp = 2; tp = 1 is the same programs on one device) run here, and decoding under a mesh with the kernel in
+(tp = 2 for every method, dp = 2 x tp = 2; tp = 1 is the same programs on one device) run here,
+and decoding under a mesh with the kernel in
 interpret mode (under shard_map) equals decoding on one device."""
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTIONS = ("environment", "kernel", "methods", "sampling", "decode", "peer", "oracle", "verify",
-            "attention", "tiles")
+SECTIONS = ("environment", "kernel", "methods", "sampling", "decode", "peer", "oracle", "verify", "attention", "tiles")
 
 
 def run(args, devices: int = 1, timeout: int = 900, script=None):
@@ -37,8 +37,17 @@ def test_smoke_run_writes_every_section(tmp_path):
     for name, entry in data["sections"].items():
         assert "error" not in entry and entry.get("ok", True), (name, entry)
     methods = data["sections"]["methods"]["rows"]
-    assert {r["method"] for r in methods} == {"vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3",
-                                              "redrafter", "lookahead"}
+    assert {r["method"] for r in methods} == {
+        "vanilla",
+        "draft",
+        "pld",
+        "medusa",
+        "eagle",
+        "eagle2",
+        "eagle3",
+        "redrafter",
+        "lookahead",
+    }
     assert all(r["identical_to_vanilla"] for r in methods)
     oracle = data["sections"]["oracle"]["rows"]
     assert [r["measured_tokens_per_step"] for r in oracle] == [2, 3, 4, 6]
@@ -57,10 +66,13 @@ def test_without_gpu_says_so_in_one_line():
     assert "no CUDA GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("tp,dp,methods", [  # every method's programs lowered in the default tier
-    (2, 1, "vanilla,draft,pld,medusa,eagle,eagle2,eagle3,redrafter,lookahead"),
-    pytest.param(2, 2, "vanilla,eagle2", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "tp,dp,methods",
+    [  # every method's programs lowered in the default tier
+        (2, 1, "vanilla,draft,pld,medusa,eagle,eagle2,eagle3,redrafter,lookahead"),
+        pytest.param(2, 2, "vanilla,eagle2", marks=pytest.mark.slow),
+    ],
+)
 def test_preflight_lowers_every_program_for_cuda(tp, dp, methods):
     """Every program holds the kernel, and on a mesh each device's kernel reads only its own KV
     heads (the kernel inside shard_map, not the pools gathered)."""

@@ -18,29 +18,49 @@ from specjax.checkpoint import CheckpointError
 from specjax.loading import load_model
 
 # ~1.5 GB of bfloat16: embedding and head 32000 x 2048, 13 layers of 2048 hidden, 5632 MLP, GQA.
-BIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-       "intermediate_size": 5632, "num_hidden_layers": 13, "num_attention_heads": 16,
-       "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 2048,
-       "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-       "torch_dtype": "bfloat16"}
-CHECKED = ("model.layers.5.self_attn.q_proj.weight", "model.layers.5.self_attn.k_proj.weight",
-           "model.layers.12.mlp.up_proj.weight", "lm_head.weight")
+BIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 13,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+CHECKED = (
+    "model.layers.5.self_attn.q_proj.weight",
+    "model.layers.5.self_attn.k_proj.weight",
+    "model.layers.12.mlp.up_proj.weight",
+    "lm_head.weight",
+)
 
 
 def _hf_shapes(cfg: dict) -> dict[str, tuple]:
     d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = d // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
-              "lm_head.weight": (v, d)}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (q, d),
-                       p + "self_attn.k_proj.weight": (kv, d), p + "self_attn.v_proj.weight": (kv, d),
-                       p + "self_attn.o_proj.weight": (d, q),
-                       p + "post_attention_layernorm.weight": (d,),
-                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-                       p + "mlp.down_proj.weight": (d, f)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (q, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, q),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "mlp.gate_proj.weight": (f, d),
+                p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+            }
+        )
     return shapes
 
 
@@ -69,8 +89,7 @@ def _write_safetensors_by_hand(path: Path, shapes: dict[str, tuple]) -> int:
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300)
 
 
 def test_bfloat16_model_loads_within_its_size_and_bit_exact(tmp_path):
@@ -111,8 +130,7 @@ def test_bfloat16_model_loads_within_its_size_and_bit_exact(tmp_path):
     """)
     assert p.returncode == 0, p.stderr
     delta = int(p.stdout.split()[-1])
-    figures = (f"checkpoint {size / 2**30:.2f} GiB, peak RSS delta {delta / 2**30:.2f} GiB, "
-               f"ratio {delta / size:.2f}")
+    figures = f"checkpoint {size / 2**30:.2f} GiB, peak RSS delta {delta / 2**30:.2f} GiB, ratio {delta / size:.2f}"
     print(figures)
     assert size > 1.4e9
     assert delta < 1.3 * size, figures
@@ -160,7 +178,7 @@ def test_bfloat16_safetensors_without_torch(tiny_llama, tmp_path):
         for name, want in before.items():
             np.testing.assert_array_equal(got[name], want, err_msg=f"{file}: {name}")
     data = (tmp_path / "sj" / "model.safetensors").read_bytes()
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
     assert header["layers.0.wqkv"]["dtype"] == "BF16"  # converted as stored, not widened
 
 
@@ -184,8 +202,9 @@ def test_wrong_dtype_is_named_in_one_line(tiny_llama, tmp_path):
 
 
 def test_specjax_checkpoint_shape_is_checked(tiny_llama, tmp_path):
-    from specjax.convert.hf import convert_checkpoint
     from safetensors.numpy import load_file, save_file
+
+    from specjax.convert.hf import convert_checkpoint
 
     d = convert_checkpoint(tiny_llama[0], tmp_path / "sj")
     tensors = load_file(str(d / "model.safetensors"))
@@ -201,11 +220,11 @@ def test_offsets_that_disagree_with_the_shape_are_corrupt(tiny_llama, tmp_path):
     w = d / "model.safetensors"
     data = w.read_bytes()
     n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     name = "model.norm.weight"
     header[name]["data_offsets"][1] += 4
     text = json.dumps(header, separators=(",", ":")).encode()
     assert len(text) <= n
-    w.write_bytes(data[:8] + text.ljust(n) + data[8 + n:])
+    w.write_bytes(data[:8] + text.ljust(n) + data[8 + n :])
     with pytest.raises(CheckpointError, match="corrupt or truncated.*" + name.replace(".", r"\.")):
         load_model(str(d))

@@ -18,12 +18,28 @@ from specjax import Engine, ModelConfig, PagedKVCache, causal_mask, forward, ini
 from specjax.cache import init_pages
 from specjax.draft_tree import ancestor_mask, tree_positions
 from specjax.generate import prefill
-from specjax.proposers.lookahead import (LookaheadProposer, LookaheadState, bucket_of, empty_pool,
-                                         lookahead_tree, merge_ngrams, pool_insert, pool_lookup)
+from specjax.proposers.lookahead import (
+    LookaheadProposer,
+    LookaheadState,
+    bucket_of,
+    empty_pool,
+    lookahead_tree,
+    merge_ngrams,
+    pool_insert,
+    pool_lookup,
+)
 from specjax.verify import verify
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
 PAGE = 4
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 10, 7, 8], [40]]
 REPETITIVE = [32, 38, 32, 38, 32, 38]  # the target (seed 5) falls into a loop after it
@@ -50,8 +66,9 @@ def vanilla(engine):
 # Greedy output equals vanilla greedy decoding
 
 
-@pytest.mark.parametrize("wng, accept_window", [((7, 5, 7), False), ((3, 2, 1), False),
-                                                 ((7, 5, 7), True), ((1, 3, 1), True)])
+@pytest.mark.parametrize(
+    "wng, accept_window", [((7, 5, 7), False), ((3, 2, 1), False), ((7, 5, 7), True), ((1, 3, 1), True)]
+)
 def test_greedy_equals_vanilla_batched(engine, vanilla, wng, accept_window):
     proposer = LookaheadProposer(*wng, accept_window=accept_window)
     out = engine.generate(PROMPTS[:2], N_NEW, eos_token_ids=NO_EOS, proposer=proposer)
@@ -61,8 +78,7 @@ def test_greedy_equals_vanilla_batched(engine, vanilla, wng, accept_window):
 
 
 def test_repetitive_prompt_accepts_more_than_one(engine, vanilla):
-    out = engine.generate([REPETITIVE], N_NEW, eos_token_ids=NO_EOS,
-                          proposer=LookaheadProposer(7, 5, 7))
+    out = engine.generate([REPETITIVE], N_NEW, eos_token_ids=NO_EOS, proposer=LookaheadProposer(7, 5, 7))
     assert out.token_ids[0] == vanilla[3]
     assert out.mean_accepted[0] > 1.5, out.mean_accepted
 
@@ -71,8 +87,7 @@ def test_eos_stops_like_vanilla(engine, vanilla):
     """Stopping at an EOS in the middle of an accepted n-gram keeps exactly vanilla's tokens."""
     eos = vanilla[3][5]
     want = engine.generate([REPETITIVE], N_NEW, eos_token_ids=(eos,)).token_ids
-    got = engine.generate([REPETITIVE], N_NEW, eos_token_ids=(eos,),
-                          proposer=LookaheadProposer(7, 5, 7)).token_ids
+    got = engine.generate([REPETITIVE], N_NEW, eos_token_ids=(eos,), proposer=LookaheadProposer(7, 5, 7)).token_ids
     assert got == want and got[0][-1] == eos
 
 
@@ -90,10 +105,11 @@ NGRAMS = [[41, 42, 43], [41, 42, 44], [51, 52, 53]]
 
 def _combined_tree(ngrams=NGRAMS, accept_window=False):
     cand = np.zeros((1, G, N - 1), np.int32)
-    cand[0, :len(ngrams)] = ngrams
+    cand[0, : len(ngrams)] = ngrams
     valid = np.arange(G)[None, :] < len(ngrams)
-    return lookahead_tree(jnp.asarray(WINDOW)[None], jnp.asarray([PENDING]), jnp.asarray(cand),
-                          jnp.asarray(valid), accept_window)
+    return lookahead_tree(
+        jnp.asarray(WINDOW)[None], jnp.asarray([PENDING]), jnp.asarray(cand), jnp.asarray(valid), accept_window
+    )
 
 
 def _prescribed_contexts():
@@ -109,7 +125,7 @@ def _prescribed_contexts():
             ctx[int(WINDOW[k, j])] = (seen, j + k)
     for gram in NGRAMS:
         for d in range(N - 1):
-            ctx[gram[d]] = ([PENDING] + gram[:d + 1], d + 1)
+            ctx[gram[d]] = ([PENDING] + gram[: d + 1], d + 1)
     return ctx
 
 
@@ -161,8 +177,9 @@ def test_greedy_acceptance_follows_the_window_chain_only_when_asked(accept_windo
     logits[0, :, 0] = 1.0  # token 0 is on no path
     logits[0, 0, WINDOW[1, 0]] = 5.0
     logits[0, W, WINDOW[2, 0]] = 5.0
-    res = accept_match(tree, jnp.asarray(logits), jax.random.split(jax.random.PRNGKey(0), 1),
-                       SamplingConfig(temperature=0.0))
+    res = accept_match(
+        tree, jnp.asarray(logits), jax.random.split(jax.random.PRNGKey(0), 1), SamplingConfig(temperature=0.0)
+    )
     assert int(res.n_accepted[0]) == (2 if accept_window else 0)
     assert int(res.next_token[0]) == (0 if accept_window else WINDOW[1, 0])
 
@@ -175,14 +192,14 @@ def test_combined_forward_equals_prescribed_chains(target):
     k, v = init_pages(CFG, per_seq, PAGE)
     k = [jnp.full_like(x, jnp.nan) for x in k]  # unused slots must not leak
     v = [jnp.full_like(x, jnp.nan) for x in v]
-    cache = PagedKVCache(k, v, jnp.arange(per_seq, dtype=jnp.int32)[None],
-                         jnp.zeros((1,), jnp.int32))
+    cache = PagedKVCache(k, v, jnp.arange(per_seq, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
     chunk = np.zeros((1, 8), np.int32)
-    chunk[0, :len(prompt)] = prompt
+    chunk[0, : len(prompt)] = prompt
     cache, _, _ = prefill(target, CFG, cache, jnp.asarray(chunk), jnp.asarray([len(prompt)]))
     tree = _combined_tree()
-    np.testing.assert_array_equal(np.asarray(tree_positions(tree, cache.lengths)[0]),
-                                  len(prompt) + np.asarray(tree.depth[0]))
+    np.testing.assert_array_equal(
+        np.asarray(tree_positions(tree, cache.lengths)[0]), len(prompt) + np.asarray(tree.depth[0])
+    )
     got = np.asarray(verify(target, CFG, cache, tree).logits[0])
     tokens, valid = np.asarray(tree.tokens[0]), np.asarray(tree.valid[0])
     nodes = [i for i in range(tokens.size) if valid[i]]
@@ -191,25 +208,32 @@ def test_combined_forward_equals_prescribed_chains(target):
     rows, width = len(seqs), max(len(q) for q in seqs)
     chains = np.zeros((rows, width), np.int32)
     for r, q in enumerate(seqs):
-        chains[r, :len(q)] = q
+        chains[r, : len(q)] = q
     pages = -(-width // PAGE)
     rk, rv = init_pages(CFG, rows * pages, PAGE)
-    ref = PagedKVCache(rk, rv, jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages),
-                       jnp.zeros((rows,), jnp.int32))
+    ref = PagedKVCache(
+        rk, rv, jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages), jnp.zeros((rows,), jnp.int32)
+    )
     at = jnp.asarray([[len(q) - 1] for q in seqs], jnp.int32)
-    want = forward(target, CFG, jnp.asarray(chains),
-                   jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width)), ref,
-                   causal_mask(rows, width), logits_at=at).logits[:, 0]
+    want = forward(
+        target,
+        CFG,
+        jnp.asarray(chains),
+        jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width)),
+        ref,
+        causal_mask(rows, width),
+        logits_at=at,
+    ).logits[:, 0]
     for r, i in enumerate(nodes):
-        np.testing.assert_allclose(got[i], np.asarray(want[r]), rtol=1e-4, atol=1e-4,
-                                   err_msg=f"node {i} (token {tokens[i]})")
+        np.testing.assert_allclose(
+            got[i], np.asarray(want[r]), rtol=1e-4, atol=1e-4, err_msg=f"node {i} (token {tokens[i]})"
+        )
 
 
 def test_merge_ngrams_builds_the_prefix_trie():
     grams = [[1, 2, 3], [1, 2, 4], [5, 6, 7], [1, 9, 3], [1, 2, 3]]  # the last repeats the first
     valid = [True, True, True, True, True]
-    tok, par, dep, ok = (np.asarray(x[0]) for x in merge_ngrams(jnp.asarray([grams]),
-                                                                 jnp.asarray([valid])))
+    tok, par, dep, ok = (np.asarray(x[0]) for x in merge_ngrams(jnp.asarray([grams]), jnp.asarray([valid])))
     paths = []
     for i in np.flatnonzero(ok):
         path, j = [], i
@@ -218,9 +242,9 @@ def test_merge_ngrams_builds_the_prefix_trie():
             j = int(par[j])
         assert par[i] < i and dep[i] == len(path)
         paths.append(tuple(path[::-1]))
-    prefixes = {tuple(g[:d + 1]) for g in grams for d in range(3)}
+    prefixes = {tuple(g[: d + 1]) for g in grams for d in range(3)}
     assert sorted(paths) == sorted(prefixes)  # each prefix exactly once
-    assert ok.sum() == len(prefixes) and not ok[len(prefixes):].any()  # packed to the front
+    assert ok.sum() == len(prefixes) and not ok[len(prefixes) :].any()  # packed to the front
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,8 +276,7 @@ def test_pool_matches_reference_lru_per_key():
         key = rng.choice(keys, 2)
         gram = rng.integers(0, 3, (2, m))  # few distinct n-grams: repeats are common
         ok = rng.random(2) < 0.9
-        pool = insert(pool, jnp.asarray(key, jnp.int32), jnp.asarray(gram, jnp.int32),
-                      jnp.asarray(ok))
+        pool = insert(pool, jnp.asarray(key, jnp.int32), jnp.asarray(gram, jnp.int32), jnp.asarray(ok))
         for s in range(2):
             if not ok[s]:
                 continue
@@ -267,16 +290,16 @@ def test_pool_matches_reference_lru_per_key():
         q = rng.choice(keys, 2)
         grams, valid = lookup(pool, jnp.asarray(q, jnp.int32))
         for s in range(2):
-            got = [tuple(int(x) for x in r) for r, v in zip(np.asarray(grams[s]),
-                                                            np.asarray(valid[s])) if v]
+            got = [tuple(int(x) for x in r) for r, v in zip(np.asarray(grams[s]), np.asarray(valid[s])) if v]
             assert got == ref[s].get(int(q[s]), []), (step, s)
 
 
 def test_pool_collisions_share_a_bucket_but_never_mix_keys():
     buckets, g = 4, 2
     a = 1
-    b = next(t for t in range(2, 1000) if int(bucket_of(jnp.asarray(t), buckets))
-             == int(bucket_of(jnp.asarray(a), buckets)))
+    b = next(
+        t for t in range(2, 1000) if int(bucket_of(jnp.asarray(t), buckets)) == int(bucket_of(jnp.asarray(a), buckets))
+    )
     pool = empty_pool(1, buckets, g, 2)
     for key, gram in ((a, (1, 1)), (b, (2, 2)), (a, (3, 3))):  # the third evicts a's oldest
         pool = pool_insert(pool, jnp.asarray([key]), jnp.asarray([gram]), jnp.asarray([True]))
@@ -295,7 +318,7 @@ def test_init_fills_pool_with_prompt_ngrams_and_update_with_text_and_window():
     prop = LookaheadProposer(2, 3, 4, pool_buckets=64)
     toks = np.zeros((1, 16), np.int32)
     prompt = [3, 4, 5, 3, 4, 6]
-    toks[0, :len(prompt)] = prompt
+    toks[0, : len(prompt)] = prompt
     ctx = SpecContext(jnp.asarray(toks), jnp.asarray([len(prompt)]), jnp.zeros((1, 1), jnp.int32))
     state = prop.init(None, None, ctx, None, None)
     grams, valid = pool_lookup(state.pool, jnp.asarray([3]))
@@ -306,10 +329,10 @@ def test_init_fills_pool_with_prompt_ngrams_and_update_with_text_and_window():
     toks[0, 6:8] = [7, 8]
     node_argmax = np.zeros((1, prop.tree_size), np.int32)
     node_argmax[0, 2], node_argmax[0, 3] = 50, 51  # top level (k = 1) predicts 50, 51
-    ctx2 = SpecContext(jnp.asarray(toks), jnp.asarray([8]), jnp.zeros((1, 1), jnp.int32),
-                       node_argmax=jnp.asarray(node_argmax))
-    res = AcceptResult(jnp.zeros((1, prop.tree_size), jnp.int32), jnp.asarray([1]),
-                       jnp.asarray([8]))
+    ctx2 = SpecContext(
+        jnp.asarray(toks), jnp.asarray([8]), jnp.zeros((1, 1), jnp.int32), node_argmax=jnp.asarray(node_argmax)
+    )
+    res = AcceptResult(jnp.zeros((1, prop.tree_size), jnp.int32), jnp.asarray([1]), jnp.asarray([8]))
     new = prop.update(None, state, ctx2, res, jnp.asarray([True]))
     np.testing.assert_array_equal(np.asarray(new.window[0]), [[30, 31], [50, 51]])
     look = jax.jit(pool_lookup)
@@ -335,13 +358,27 @@ def test_cli_bad_lookahead_values(capsys, tiny_llama):
 
     model = str(tiny_llama[0])
     base = ("generate", "--model", model, "--method", "lookahead", "--prompt", "hi")
-    for value, word in (("7,1,7", "n-gram size"), ("0,5,7", "window size"),
-                        ("7,5,0", "verification set size"), ("7,5", "W,N,G"),
-                        ("a,b,c", "W,N,G")):
+    for value, word in (
+        ("7,1,7", "n-gram size"),
+        ("0,5,7", "window size"),
+        ("7,5,0", "verification set size"),
+        ("7,5", "W,N,G"),
+        ("a,b,c", "W,N,G"),
+    ):
         assert_error(capsys, *base, "--lookahead", value, words=("--lookahead", word))
     assert_error(capsys, *base, "--lookahead", "600,5,7", words=("context",))
-    assert_error(capsys, "generate", "--model", model, "--method", "pld", "--prompt", "hi",
-                 "--lookahead-accept-window", words=("--lookahead-accept-window", "pld"))
+    assert_error(
+        capsys,
+        "generate",
+        "--model",
+        model,
+        "--method",
+        "pld",
+        "--prompt",
+        "hi",
+        "--lookahead-accept-window",
+        words=("--lookahead-accept-window", "pld"),
+    )
 
 
 def test_cli_lookahead_equals_vanilla(capsys, tiny_llama):
@@ -352,8 +389,7 @@ def test_cli_lookahead_equals_vanilla(capsys, tiny_llama):
     want = run_json(capsys, *args)[0]["token_ids"]
     got = run_json(capsys, *args, "--method", "lookahead", "--lookahead", "3,3,2")[0]
     assert got["token_ids"] == want and got["steps"] <= len(want)
-    got = run_json(capsys, *args, "--method", "lookahead", "--lookahead", "1,3,1",
-                   "--lookahead-accept-window")[0]
+    got = run_json(capsys, *args, "--method", "lookahead", "--lookahead", "1,3,1", "--lookahead-accept-window")[0]
     assert got["token_ids"] == want and got["steps"] <= len(want)
 
 
@@ -363,10 +399,11 @@ def test_cli_lookahead_equals_vanilla(capsys, tiny_llama):
 
 @pytest.mark.slow
 def test_smollm2_greedy_equals_vanilla():
-    from specjax import load_model
-    from specjax.cli import encode_prompt
     from test_real_model import PROMPTS as REAL_PROMPTS
     from test_real_model import assert_same_or_near_tie
+
+    from specjax import load_model
+    from specjax.cli import encode_prompt
 
     smol = load_model("smollm2-135m")
     eng = Engine(smol.params, smol.config, num_pages=96, page_size=16)
@@ -398,13 +435,21 @@ def test_engine_sampling_is_lossless(accept_window, monkeypatch):
     exact joint law (chi-square, power above 0.75 against a 2% per-cell bias), with n-grams from
     the prompt accepted in one pass; as a control, the first drafted node emitted unchecked
     fails the same test."""
+    from test_accept_sampling import CFG as S_CFG
+    from test_accept_sampling import (
+        P_BROKEN,
+        P_OK,
+        _continuation_logits,
+        accept_first_draft_unchecked,
+        biased,
+        chi2_power,
+        chi2_pvalue,
+        exact_first_two,
+    )
+    from test_accept_sampling import PROMPT as S_PROMPT
+
     import specjax.spec_decode as spec_decode_mod
     from specjax import SamplingConfig
-    from test_accept_sampling import CFG as S_CFG
-    from test_accept_sampling import PROMPT as S_PROMPT
-    from test_accept_sampling import (P_BROKEN, P_OK, _continuation_logits,
-                                      accept_first_draft_unchecked, biased, chi2_power,
-                                      chi2_pvalue, exact_first_two)
 
     target = init_params(S_CFG, jax.random.PRNGKey(1), scale=0.5)
     sampling = SamplingConfig(temperature=1.0)
@@ -418,8 +463,9 @@ def test_engine_sampling_is_lossless(accept_window, monkeypatch):
         tokens, steps = [], []
         for call in range(calls):
             seeds = list(range(call * SAMPLING_BATCH, (call + 1) * SAMPLING_BATCH))
-            out = eng.generate([S_PROMPT] * SAMPLING_BATCH, 2, sampling=sampling, seeds=seeds,
-                               eos_token_ids=(), proposer=proposer)
+            out = eng.generate(
+                [S_PROMPT] * SAMPLING_BATCH, 2, sampling=sampling, seeds=seeds, eos_token_ids=(), proposer=proposer
+            )
             tokens += out.token_ids
             steps += out.steps
         return np.asarray(tokens), np.asarray(steps)
@@ -459,8 +505,14 @@ def test_sampled_steps_argmax_only_the_window_top_level(engine):
     sampling = SamplingConfig(temperature=0.2)
 
     def run(proposer):
-        out = engine.generate([REPETITIVE] + PROMPTS, N_NEW, sampling=sampling,
-                              seeds=[0, 1, 2, 3], eos_token_ids=NO_EOS, proposer=proposer)
+        out = engine.generate(
+            [REPETITIVE] + PROMPTS,
+            N_NEW,
+            sampling=sampling,
+            seeds=[0, 1, 2, 3],
+            eos_token_ids=NO_EOS,
+            proposer=proposer,
+        )
         return out.token_ids, out.steps
 
     named = run(base)

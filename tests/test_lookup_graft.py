@@ -16,27 +16,39 @@ from specjax.proposers import PromptLookupProposer
 from specjax.proposers.lookup_graft import LookupGraftProposer, graft_chain
 from specjax.spec_decode import ProposerBase
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
 
 
 def _tree(batch, acceptable=None):
     """root 5 -> 7 (node 1), 8 (node 2); 7 -> 9 (node 3)."""
-    rep = lambda x: jnp.asarray([x] * batch)  # noqa: E731
-    return DraftTree(tokens=rep([5, 7, 8, 9]), parent=rep([-1, 0, 0, 1]), depth=rep([0, 1, 1, 2]),
-                     valid=jnp.ones((batch, 4), bool),
-                     acceptable=None if acceptable is None else rep(acceptable))
+    rep = lambda x: jnp.asarray([x] * batch)
+    return DraftTree(
+        tokens=rep([5, 7, 8, 9]),
+        parent=rep([-1, 0, 0, 1]),
+        depth=rep([0, 1, 1, 2]),
+        valid=jnp.ones((batch, 4), bool),
+        acceptable=None if acceptable is None else rep(acceptable),
+    )
 
 
 def test_graft_shares_the_tree_prefix_and_hangs_the_rest():
     chain = jnp.asarray([[7, 9, 4, 6], [7, 3, 1, 1], [2, 2, 2, 2], [8, 1, 0, 0], [7, 9, 4, 6]])
     g = graft_chain(_tree(5), chain, jnp.asarray([4, 2, 0, 1, 2]))
     np.testing.assert_array_equal(g.tokens[:, 4:6], [[4, 6], [3, 0], [0, 0], [0, 0], [0, 0]])
-    np.testing.assert_array_equal(g.parent[:, 4:6], [[3, 4], [1, -1], [-1, -1], [-1, -1],
-                                                     [-1, -1]])
+    np.testing.assert_array_equal(g.parent[:, 4:6], [[3, 4], [1, -1], [-1, -1], [-1, -1], [-1, -1]])
     np.testing.assert_array_equal(g.depth[:, 4:6], [[3, 4], [2, 0], [0, 0], [0, 0], [0, 0]])
-    np.testing.assert_array_equal(g.valid[:, 4:], [[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0],
-                                                   [0, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        g.valid[:, 4:], [[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    )
     assert g.tokens.shape == (5, 8) and g.acceptable is None
     np.testing.assert_array_equal(g.tokens[:, :4], _tree(5).tokens)  # the tree is unchanged
 
@@ -82,6 +94,7 @@ def test_grafted_paths_are_no_longer_than_max_path_len():
     """commit and update read max_path_len path nodes: no grafted node may sit deeper, whatever
     the chain shares with the tree (random chains over the tree's tokens, with and without a
     width)."""
+
     class Base(ProposerBase):  # the tree of `_tree`: its longest root path is 5 -> 7 -> 9
         tree_size, max_path_len, rule = 4, 3, "match"
 
@@ -100,8 +113,7 @@ def test_grafted_paths_are_no_longer_than_max_path_len():
 
 def test_graft_never_shares_nodes_acceptance_may_not_follow():
     """A node acceptance skips (Lookahead's window) is not a prefix of the grafted chain."""
-    g = graft_chain(_tree(1, acceptable=[True, False, True, True]), jnp.asarray([[7, 9]]),
-                    jnp.asarray([2]))
+    g = graft_chain(_tree(1, acceptable=[True, False, True, True]), jnp.asarray([[7, 9]]), jnp.asarray([2]))
     np.testing.assert_array_equal(g.parent[0, 4:], [0, 4])
     np.testing.assert_array_equal(g.acceptable[0], [1, 0, 1, 1, 1, 1])
 
@@ -135,7 +147,6 @@ def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
 def test_graft_refuses_lossy_rules_and_bad_options(target):
     from specjax.loading import Model
     from specjax.methods import MethodError, make_proposer
-
     from specjax.proposers.medusa import MedusaProposer
 
     base, _ = random_eagle2(CFG, target)

@@ -13,17 +13,30 @@ import pytest
 from specjax import ModelConfig, init_params
 from specjax.model import lm_head_weight
 from specjax.proposers.medusa import MedusaProposer
-from specjax.training.medusa_tree import (decoded_tokens_per_step, expected_accepted, fit_tree, main,
-                                  prefix_counts, true_ranks)
+from specjax.training.medusa_tree import (
+    decoded_tokens_per_step,
+    expected_accepted,
+    fit_tree,
+    main,
+    prefix_counts,
+    true_ranks,
+)
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
 
 
 def _accepted(row, tree, max_rank):
     """Drafted tokens a step accepts: the longest prefix of the true ranks that is a node."""
-    ok = [all(0 <= r < max_rank for r in row[:d]) and tuple(row[:d]) in tree
-          for d in range(1, len(row) + 1)]
+    ok = [all(0 <= r < max_rank for r in row[:d]) and tuple(row[:d]) in tree for d in range(1, len(row) + 1)]
     return ok.index(False) if False in ok else len(ok)
 
 
@@ -63,9 +76,11 @@ def test_fitted_tree_is_the_best_of_its_size():
     ranks = _skewed_ranks(rng, 500, 2, 3)
     counts = prefix_counts(ranks, 3)
     nodes = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
-    best = max(expected_accepted(counts, len(ranks), s)
-               for s in itertools.combinations(nodes, 4)
-               if all(p[:-1] in s for p in s if len(p) > 1))
+    best = max(
+        expected_accepted(counts, len(ranks), s)
+        for s in itertools.combinations(nodes, 4)
+        if all(p[:-1] in s for p in s if len(p) > 1)
+    )
     fitted = expected_accepted(counts, len(ranks), fit_tree(counts, 4))
     assert fitted == pytest.approx(best)
 
@@ -94,21 +109,25 @@ def test_ranks_are_where_the_proposer_drafts_the_true_token():
     ids = jnp.asarray(np.random.default_rng(0).permutation(CFG.vocab_size)[:16], jnp.int32)
     rows, ids = draft_vocabulary(lm_head, ids, None)
     choices = tuple((0,) * j + (r,) for j in range(4) for r in range(16))
-    proposer = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False,
-                              medusa_choices=choices)
+    proposer = MedusaProposer(num_heads=4, vocab_size=CFG.vocab_size, own_lm_head=False, medusa_choices=choices)
     heads = proposer.init_params(jax.random.PRNGKey(1), CFG.hidden_size, lm_head)
-    heads = jax.tree_util.tree_map(
-        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), heads)
+    heads = jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(x.size), x.shape), heads)
     params = {"heads": heads, "lm_head": rows, "draft_ids": ids}
 
     rng = np.random.default_rng(2)
     seqs = []
     for length, prompt in ((12, 4), (9, 6), (5, 1)):
         draftable = rng.random(length) < 0.7  # most labels drafted, some not
-        tokens = np.where(draftable, np.asarray(ids)[rng.integers(0, 16, length)],
-                          rng.integers(0, CFG.vocab_size, length)).astype(np.int32)
-        seqs.append({"tokens": tokens, "mask": np.arange(length) >= prompt,
-                     "final": rng.normal(size=(length, CFG.hidden_size)).astype(np.float16)})
+        tokens = np.where(
+            draftable, np.asarray(ids)[rng.integers(0, 16, length)], rng.integers(0, CFG.vocab_size, length)
+        ).astype(np.int32)
+        seqs.append(
+            {
+                "tokens": tokens,
+                "mask": np.arange(length) >= prompt,
+                "final": rng.normal(size=(length, CFG.hidden_size)).astype(np.float16),
+            }
+        )
     ranks, offsets = true_ranks(proposer, params, _Store(seqs), chunk=8)
 
     rows_seen = 0
@@ -117,8 +136,8 @@ def test_ranks_are_where_the_proposer_drafts_the_true_token():
         for t in range(n - 2):
             if not (mask[t + 1] and mask[t + 2]):
                 continue
-            hidden = jnp.asarray(s["final"][t:t + 1], jnp.float32)
-            ctx = SpecContext(jnp.asarray(tokens[None, :t + 2]), jnp.array([t + 2]), None, hidden)
+            hidden = jnp.asarray(s["final"][t : t + 1], jnp.float32)
+            ctx = SpecContext(jnp.asarray(tokens[None, : t + 2]), jnp.array([t + 2]), None, hidden)
             tree, _ = proposer.propose(params, (), ctx, None, None)
             drafted = np.asarray(tree.tokens)[0, 1:].reshape(4, 16)
             for j in range(4):

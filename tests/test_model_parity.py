@@ -6,14 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny_hf_model
+
 from specjax import PagedKVCache, causal_mask, forward
 from specjax.cache import init_pages
 from specjax.checkpoint import load_checkpoint
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CASES = {
     "llama3-tied": ("llama", dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True)),
     "qwen2-bias": ("qwen2", dict()),
@@ -51,8 +56,9 @@ def test_prefill_logits_and_hidden_states_match(case):
     params, config, ids, ref = case
     cache = fresh_cache(config)
     pos = jnp.broadcast_to(jnp.arange(T), (2, T))
-    out = forward(params, config, jnp.asarray(ids), pos, cache, causal_mask(2, T),
-                  hidden_layers=(0, config.num_layers - 1))
+    out = forward(
+        params, config, jnp.asarray(ids), pos, cache, causal_mask(2, T), hidden_layers=(0, config.num_layers - 1)
+    )
     assert rel_err(np.asarray(out.logits), ref.logits.numpy()) < 1e-4
     # HF hidden_states[i + 1] is the output of layer i (the last one after the final norm).
     assert rel_err(np.asarray(out.layer_hiddens[0]), ref.hidden_states[1].numpy()) < 1e-4
@@ -63,8 +69,7 @@ def test_decode_through_paged_cache_matches(case):
     params, config, ids, ref = case
     cache = fresh_cache(config)
     for t in range(T):
-        out = forward(params, config, jnp.asarray(ids[:, t:t + 1]), cache.lengths[:, None], cache,
-                      causal_mask(2, 1))
+        out = forward(params, config, jnp.asarray(ids[:, t : t + 1]), cache.lengths[:, None], cache, causal_mask(2, 1))
         cache = out.cache.replace(lengths=cache.lengths + 1)
         assert rel_err(np.asarray(out.logits[:, 0]), ref.logits[:, t].numpy()) < 1e-4, t
 
@@ -77,20 +82,20 @@ def test_chunked_prefill_then_decode_matches(case):
     width = 12
     chunk = np.zeros((2, width), np.int32)
     for b in range(2):
-        chunk[b, :first[b]] = ids[b, :first[b]]
+        chunk[b, : first[b]] = ids[b, : first[b]]
     valid = jnp.arange(width)[None, :] < jnp.asarray(first)[:, None]
     pos = jnp.broadcast_to(jnp.arange(width), (2, width))
     out = forward(params, config, jnp.asarray(chunk), pos, cache, causal_mask(2, width), valid=valid)
     for b in range(2):
-        got = np.asarray(out.logits[b, :first[b]])
-        assert rel_err(got, ref.logits[b, :first[b]].numpy()) < 1e-4
+        got = np.asarray(out.logits[b, : first[b]])
+        assert rel_err(got, ref.logits[b, : first[b]].numpy()) < 1e-4
     cache = out.cache.replace(lengths=jnp.asarray(first, jnp.int32))
     # Second chunk of 6 tokens each, from each sequence's own offset.
-    chunk2 = np.stack([ids[b, first[b]:first[b] + 6] for b in range(2)])
+    chunk2 = np.stack([ids[b, first[b] : first[b] + 6] for b in range(2)])
     pos2 = jnp.asarray(first)[:, None] + jnp.arange(6)[None, :]
     out = forward(params, config, jnp.asarray(chunk2), pos2, cache, causal_mask(2, 6))
     for b in range(2):
-        want = ref.logits[b, first[b]:first[b] + 6].numpy()
+        want = ref.logits[b, first[b] : first[b] + 6].numpy()
         assert rel_err(np.asarray(out.logits[b]), want) < 1e-4
 
 

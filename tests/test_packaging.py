@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"specjax": "specjax", "kernels_pallas": "specjax/kernels_pallas",
-           "training": "specjax/training", "convert": "specjax/convert"}
+FOLDERS = {
+    "specjax": "specjax",
+    "kernels_pallas": "specjax/kernels_pallas",
+    "training": "specjax/training",
+    "convert": "specjax/convert",
+}
 
 
 def tracked(folder: str) -> list[str]:
@@ -41,8 +45,23 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     had_build = (ROOT / "build").exists()
     try:
-        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "-w",
+                str(out),
+                str(ROOT),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:  # setuptools builds in ROOT/build (git ignores it); leave the tree as it was
         if not had_build:
             shutil.rmtree(ROOT / "build", ignore_errors=True)
@@ -61,7 +80,7 @@ def test_the_wheel_has_one_top_level_package_holding_every_module(wheel):
     for folder, dest in FOLDERS.items():
         files = [f for f in tracked(folder) if f.endswith((".py", ".cc", ".h")) or "/shipped_heads/" in f]
         assert files, folder
-        missing += [f for f in files if dest + f[len(folder):] not in names]
+        missing += [f for f in files if dest + f[len(folder) :] not in names]
     assert not missing, missing
     for kind in ("eagle", "eagle3", "medusa", "redrafter"):
         for f in ("heads.safetensors", "specjax.json"):
@@ -72,21 +91,32 @@ def test_the_wheel_has_one_top_level_package_holding_every_module(wheel):
 
 def test_the_installed_wheel_imports_and_runs_its_commands(wheel, tmp_path):
     site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                        str(wheel)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     installed = {p.name for p in site.iterdir() if not p.name.endswith(".dist-info")} - {"bin"}
     assert installed == {"specjax"}, sorted(installed)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    code = ("import specjax, specjax.training.cli, specjax.convert.gguf, specjax.kernels_pallas.paged_kv_write\n"
-            "import specjax.attention\n"
-            f"assert specjax.__file__.startswith({str(site)!r}), specjax.__file__\n"
-            f"assert specjax.training.cli.__file__.startswith({str(site)!r})\n"
-            "import importlib.util\n"
-            "assert all(importlib.util.find_spec(n) is None for n in ('training', 'convert', 'kernels_pallas'))\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    code = (
+        "import specjax, specjax.training.command, specjax.convert.gguf, specjax.kernels_pallas.paged_kv_write\n"
+        "import specjax.attention\n"
+        f"assert specjax.__file__.startswith({str(site)!r}), specjax.__file__\n"
+        f"assert specjax.training.command.__file__.startswith({str(site)!r})\n"
+        "import importlib.util\n"
+        "assert all(importlib.util.find_spec(n) is None for n in ('training', 'convert', 'kernels_pallas'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, "-m", "specjax.training", "--help"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "specjax.training", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "--method" in r.stdout, r.stderr[-3000:]

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 from jax import export
 
-from specjax.kernels_pallas.random_cases import TOL, make_case, rel_err
-from specjax.kernels_pallas import tree_paged_attention, tree_paged_attention_reference
-from specjax.attention import (attention_backend, gpu_supports_kernel, paged_attention,
-                               use_attention_backend)
 from specjax import Engine, ModelConfig, init_params
+from specjax.attention import attention_backend, gpu_supports_kernel, paged_attention, use_attention_backend
 from specjax.cache import PagedKVCache, init_pages
+from specjax.kernels_pallas import tree_paged_attention, tree_paged_attention_reference
+from specjax.kernels_pallas.random_cases import TOL, make_case, rel_err
 from specjax.model import causal_mask, decoder_layers, forward, lm_head_weight
 from specjax.proposers.eagle import EagleDynamicProposer
 
@@ -28,8 +27,11 @@ KERNEL = "pallas-interpret" if INTERPRET else "pallas"
 
 
 # (T, G, page_size): every T with every GQA ratio, the page sizes spread over them.
-GRID = [(t, g, ps) for i, (t, g) in enumerate((t, g) for t in (1, 5, 26, 64) for g in (1, 3, 8))
-        for ps in ((16, 32, 64)[i % 3],)]
+GRID = [
+    (t, g, ps)
+    for i, (t, g) in enumerate((t, g) for t in (1, 5, 26, 64) for g in (1, 3, 8))
+    for ps in ((16, 32, 64)[i % 3],)
+]
 
 
 @pytest.mark.parametrize("t,g,ps", GRID)
@@ -41,8 +43,9 @@ def test_matches_reference_float32(t, g, ps):
     assert rel_err(out, ref) < TOL[jnp.float32]
 
 
-@pytest.mark.parametrize("dtype,t,g,ps", [(jnp.bfloat16, 1, 8, 16), (jnp.bfloat16, 26, 3, 32),
-                                           (jnp.float16, 64, 1, 64)])
+@pytest.mark.parametrize(
+    "dtype,t,g,ps", [(jnp.bfloat16, 1, 8, 16), (jnp.bfloat16, 26, 3, 32), (jnp.float16, 64, 1, 64)]
+)
 def test_matches_reference_half(dtype, t, g, ps):
     args, _ = make_case(7 + t, t=t, g=g, ps=ps, dtype=dtype)
     out = tree_paged_attention(*args, interpret=INTERPRET)
@@ -117,6 +120,7 @@ def test_rejects_shapes_triton_cannot_tile():
 
 # --- CUDA lowering -------------------------------------------------------------------------------
 
+
 def _triton_modules(exported):
     """The Triton modules of every Pallas kernel in an exported function, parsed and verified."""
     from jax._src.interpreters import mlir
@@ -131,9 +135,10 @@ def _triton_modules(exported):
             for region in op.regions:
                 for block in region.blocks:
                     for inner in block.operations:
-                        if (inner.operation.name == "stablehlo.custom_call"
-                                and ir.StringAttr(inner.attributes["call_target_name"]).value
-                                == TRITON):
+                        if (
+                            inner.operation.name == "stablehlo.custom_call"
+                            and ir.StringAttr(inner.attributes["call_target_name"]).value == TRITON
+                        ):
                             config = inner.attributes["mhlo.backend_config"]
                             blobs.append(ir.StringAttr(config["ir"]).value_bytes)
                         walk(inner.operation)
@@ -151,8 +156,9 @@ def _triton_modules(exported):
 def export_cuda(fn, *args):
     """jax.export for CUDA on this CPU machine. Triton custom calls carry no compatibility
     guarantee, so export refuses them unless that check is disabled."""
-    return export.export(jax.jit(fn), platforms=["cuda"],
-                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    return export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)]
+    )(*args)
 
 
 S = jax.ShapeDtypeStruct
@@ -174,8 +180,7 @@ KERNEL_CONFIGS = [
 def test_kernel_exports_for_cuda(cfg):
     b, t, j, h, kvh, d, ps, n, dtype, window = cfg
     pool = S((kvh, b * n + 1, ps, d), dtype)
-    args = [S((b, t, h, d), dtype), pool, pool, S((b, n), jnp.int32), S((b,), jnp.int32),
-            S((b, t, j), bool)]
+    args = [S((b, t, h, d), dtype), pool, pool, S((b, n), jnp.int32), S((b,), jnp.int32), S((b, t, j), bool)]
     if window:
         args.append(S((b, t, n * ps), bool))
 
@@ -188,8 +193,16 @@ def test_kernel_exports_for_cuda(cfg):
         assert "tt.dot" in texts[0] and "inputPrecision = tf32" not in texts[0]
 
 
-TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+TINY = ModelConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -200,8 +213,7 @@ def test_model_passes_export_for_cuda(window):
     params = init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
     k_pages, v_pages = init_pages(cfg, 64, 16, jnp.bfloat16)
     b, n = 2, 8
-    cache = PagedKVCache(k_pages, v_pages, jnp.zeros((b, n), jnp.int32),
-                         jnp.zeros((b,), jnp.int32))
+    cache = PagedKVCache(k_pages, v_pages, jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.int32))
 
     def run(params, cache, tokens, tree):
         t = tokens.shape[1]
@@ -212,16 +224,13 @@ def test_model_passes_export_for_cuda(window):
         t = x.shape[1]
         pos = cache.lengths[:, None] + jnp.arange(t)[None]
         slots = cache.lengths[:, None] + 2 + jnp.arange(t)[None]
-        return decoder_layers(params["layers"], cfg, x, pos, cache, tree,
-                              jnp.ones(x.shape[:2], bool), slots=slots)[0]
+        return decoder_layers(params["layers"], cfg, x, pos, cache, tree, jnp.ones(x.shape[:2], bool), slots=slots)[0]
 
     with use_attention_backend("pallas"):
         for t in (1, 8, 48):
-            texts = _triton_modules(export_cuda(run, params, cache, S((b, t), jnp.int32),
-                                                S((b, t, t), bool)))
+            texts = _triton_modules(export_cuda(run, params, cache, S((b, t), jnp.int32), S((b, t, t), bool)))
             assert len(texts) == cfg.num_layers
-        texts = _triton_modules(export_cuda(draft, params, cache, S((b, 3, 64), jnp.bfloat16),
-                                            S((b, 3, 5), bool)))
+        texts = _triton_modules(export_cuda(draft, params, cache, S((b, 3, 64), jnp.bfloat16), S((b, 3, 5), bool)))
         assert len(texts) == cfg.num_layers
 
 
@@ -237,10 +246,20 @@ def test_greedy_decoding_with_kernel_matches_reference():
         with use_attention_backend(backend):
             eng = Engine(params, TINY, num_pages=64, page_size=16)
             runs[backend] = eng.generate(PROMPTS, 12, eos_token_ids=()).token_ids
-            traced = str(jax.make_jaxpr(lambda p: forward(
-                p, TINY, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                PagedKVCache(eng.k_pages, eng.v_pages, jnp.zeros((1, 2), jnp.int32),
-                             jnp.zeros((1,), jnp.int32)), causal_mask(1, 1)))(params))
+            traced = str(
+                jax.make_jaxpr(
+                    lambda p: forward(
+                        p,
+                        TINY,
+                        jnp.zeros((1, 1), jnp.int32),
+                        jnp.zeros((1, 1), jnp.int32),
+                        PagedKVCache(
+                            eng.k_pages, eng.v_pages, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32)
+                        ),
+                        causal_mask(1, 1),
+                    )
+                )(params)
+            )
             assert ("pallas_call" in traced) == (backend != "xla")
     assert runs[KERNEL] == runs["xla"]
     assert all(len(r) == 12 for r in runs["xla"])
@@ -254,17 +273,18 @@ def test_eagle_tree_decoding_with_kernel_matches_reference():
     layer = init_params(draft_cfg, jax.random.PRNGKey(3), scale=0.3)["layers"][0]
     del layer["attn_norm"]
     k1, k2 = jax.random.split(jax.random.PRNGKey(4))
-    fc = {"kernel": 0.3 * jax.random.normal(k1, (2 * TINY.hidden_size, TINY.hidden_size)),
-          "bias": 0.3 * jax.random.normal(k2, (TINY.hidden_size,))}
-    pparams = {"net": {"fc": fc, "layers": [layer]}, "embed": params["embed"],
-               "lm_head": lm_head_weight(params)}
+    fc = {
+        "kernel": 0.3 * jax.random.normal(k1, (2 * TINY.hidden_size, TINY.hidden_size)),
+        "bias": 0.3 * jax.random.normal(k2, (TINY.hidden_size,)),
+    }
+    pparams = {"net": {"fc": fc, "layers": [layer]}, "embed": params["embed"], "lm_head": lm_head_weight(params)}
     proposer = EagleDynamicProposer(draft_cfg, total_tokens=10, depth=3, top_k=3)
     with use_attention_backend("xla"):
-        want = Engine(params, TINY, num_pages=64, page_size=16).generate(
-            PROMPTS, 10, eos_token_ids=()).token_ids
+        want = Engine(params, TINY, num_pages=64, page_size=16).generate(PROMPTS, 10, eos_token_ids=()).token_ids
     with use_attention_backend(KERNEL):
         got = Engine(params, TINY, num_pages=64, page_size=16).generate(
-            PROMPTS, 10, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+            PROMPTS, 10, eos_token_ids=(), proposer=proposer, proposer_params=pparams
+        )
     assert got.token_ids == want
 
 
@@ -276,15 +296,25 @@ def test_unwritten_tree_rows(t, g, ps, k_splits):
     q, k, v, tables, lengths, tree = args
     slots = np.asarray(lengths)[:, None] + np.arange(t)[None]
     page = np.take_along_axis(np.asarray(tables), slots // ps, axis=1)
-    rows = lambda pool: jnp.asarray(np.asarray(pool)[:, page, slots % ps].transpose(1, 2, 0, 3))  # noqa: E731
+    rows = lambda pool: jnp.asarray(np.asarray(pool)[:, page, slots % ps].transpose(1, 2, 0, 3))
     k_new, v_new = rows(k), rows(v)  # [B, T, KVH, D]
     k_nan = np.asarray(k).copy()
     v_nan = np.asarray(v).copy()
     k_nan[:, page, slots % ps] = np.nan
     v_nan[:, page, slots % ps] = np.nan
     want = tree_paged_attention_reference(*args)
-    got = tree_paged_attention(q, jnp.asarray(k_nan), jnp.asarray(v_nan), tables, lengths, tree,
-                               k_new=k_new, v_new=v_new, interpret=INTERPRET, k_splits=k_splits)
+    got = tree_paged_attention(
+        q,
+        jnp.asarray(k_nan),
+        jnp.asarray(v_nan),
+        tables,
+        lengths,
+        tree,
+        k_new=k_new,
+        v_new=v_new,
+        interpret=INTERPRET,
+        k_splits=k_splits,
+    )
     assert rel_err(got, want) < TOL[jnp.float32]
 
 
@@ -304,8 +334,7 @@ def test_tiles_fit_each_architectures_shared_memory(dtype_bytes):
     """Hopper keeps its tiles; sm86/sm89 (99 KiB of shared memory) get smaller ones that fit."""
     from specjax.kernels_pallas.tree_paged_attention import default_blocks
 
-    shapes = [(1, 1, 32, 8, 16, 8192), (32, 1, 32, 8, 16, 8192), (8, 64, 32, 8, 16, 2048),
-              (2, 26, 9, 3, 32, 1024)]
+    shapes = [(1, 1, 32, 8, 16, 8192), (32, 1, 32, 8, 16, 8192), (8, 64, 32, 8, 16, 2048), (2, 26, 9, 3, 32, 1024)]
     for shape in shapes:
         d = 64 if shape[2] == 9 else 128
         for kib in (99, 163, 227):
@@ -333,8 +362,7 @@ def test_float32_dots_ask_for_full_precision(dtype):
     H200 run found the reference doing that against the kernel's full-precision dots. Both must
     ask for HIGHEST in float32 (and leave half precision alone)."""
     args, _ = make_case(0, t=5, g=4, ps=16, kvh=2, dtype=dtype)
-    for fn in (tree_paged_attention_reference,
-               lambda *a: tree_paged_attention(*a, interpret=True)):
+    for fn in (tree_paged_attention_reference, lambda *a: tree_paged_attention(*a, interpret=True)):
         precisions = _dot_precisions(jax.make_jaxpr(fn)(*args).jaxpr)
         assert len(precisions) >= 2
         for p in precisions:

@@ -8,8 +8,8 @@ import importlib
 import pkgutil
 
 import specjax
-from specjax.serving.budget import BudgetedProposer
 from specjax.proposers.lookup_graft import LookupGraftProposer
+from specjax.serving.budget import BudgetedProposer
 from specjax.spec_decode import ProposerBase, ProposerWrapper, contract_members
 
 
@@ -30,17 +30,30 @@ def project_proposer_classes():
 
 def test_the_contract_lists_the_protocol_and_the_optional_parts():
     members = contract_members()
-    for name in ("tree_size", "is_chain", "rule", "propose", "update", "init", "make_pools",
-                 "pools_of", "propose_may_be_skipped", "needs_prompt_features", "draft_scratch",
-                 "max_path_len", "argmax_nodes", "splits_draft_layers", "config"):
+    for name in (
+        "tree_size",
+        "is_chain",
+        "rule",
+        "propose",
+        "update",
+        "init",
+        "make_pools",
+        "pools_of",
+        "propose_may_be_skipped",
+        "needs_prompt_features",
+        "draft_scratch",
+        "max_path_len",
+        "argmax_nodes",
+        "splits_draft_layers",
+        "config",
+    ):
         assert name in members
     assert "variant" not in members
 
 
 def test_every_proposer_holding_a_base_is_a_wrapper_forwarding_what_it_does_not_define():
     classes = project_proposer_classes()
-    wrappers = {c for c in classes if dataclasses.is_dataclass(c)
-                and "base" in {f.name for f in dataclasses.fields(c)}}
+    wrappers = {c for c in classes if dataclasses.is_dataclass(c) and "base" in {f.name for f in dataclasses.fields(c)}}
     assert {BudgetedProposer, LookupGraftProposer} <= wrappers
     for cls in wrappers:
         assert issubclass(cls, ProposerWrapper), cls
@@ -77,9 +90,15 @@ class Distinct(ProposerBase):
 def test_a_wrapper_reads_its_base_for_what_it_does_not_define():
     base = Distinct()
     for wrapper in (BudgetedProposer(base, widths=(1, 3)), LookupGraftProposer(base)):
-        own = {n for n in contract_members() if any(n in vars(k) for k in type(wrapper).__mro__
-                                                     if issubclass(k, ProposerWrapper)
-                                                     and k is not ProposerWrapper)}
+        own = {
+            n
+            for n in contract_members()
+            if any(
+                n in vars(k)
+                for k in type(wrapper).__mro__
+                if issubclass(k, ProposerWrapper) and k is not ProposerWrapper
+            )
+        }
         for name in set(contract_members()) - own - {"init", "propose", "update"}:
             got, want = getattr(wrapper, name), getattr(base, name)
             assert got == want, (type(wrapper).__name__, name, got, want)
@@ -91,7 +110,8 @@ def test_the_design_docs_contract_table_lists_every_member():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
-    section = text[text.index("## The proposer contract"):text.index("## Kernel dispatch")]
-    rows = [line.split("|")[1].strip().strip("`").split("(")[0] for line in section.splitlines()
-            if line.startswith("| `")]
+    section = text[text.index("## The proposer contract") : text.index("## Kernel dispatch")]
+    rows = [
+        line.split("|")[1].strip().strip("`").split("(")[0] for line in section.splitlines() if line.startswith("| `")
+    ]
     assert sorted(rows) == sorted(contract_members())

@@ -9,9 +9,11 @@ import torch
 from specjax import Engine, load_model
 from specjax.cli import encode_prompt
 
-PROMPTS = ["What is the capital of France?",
-           "Write a Python function that returns the n-th Fibonacci number.",
-           "Summarize in one sentence: The cat sat on the mat all afternoon, watching birds."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize in one sentence: The cat sat on the mat all afternoon, watching birds.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +30,17 @@ def test_greedy_matches_transformers_generate(smol):
     ours = eng.generate(encoded, max_new_tokens=32, eos_token_ids=())
     for prompt, got in zip(encoded, ours.token_ids):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                              do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_scores=True, return_dict_in_generate=True)
-        want = out.sequences[0, len(prompt):].tolist()
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        want = out.sequences[0, len(prompt) :].tolist()
         if got != want:  # allowed only at a float32 near-tie: the two frameworks round differently
             i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
             top2 = torch.topk(out.scores[i][0], 2).values
@@ -49,6 +58,7 @@ def test_config_of_embedded_model(smol):
 def _top2_gap(smol, prompt, generated, i):
     """Gap between the two largest target logits before generated token i (teacher forced)."""
     import jax.numpy as jnp
+
     from specjax import PagedKVCache, causal_mask, forward
     from specjax.cache import init_pages
 
@@ -57,8 +67,15 @@ def _top2_gap(smol, prompt, generated, i):
     pages = -(-t // 16)
     k, v = init_pages(smol.config, pages, 16)
     cache = PagedKVCache(k, v, jnp.arange(pages, dtype=jnp.int32)[None], jnp.zeros(1, jnp.int32))
-    out = forward(smol.params, smol.config, jnp.asarray([seq]), jnp.arange(t)[None], cache,
-                  causal_mask(1, t), logits_at=jnp.asarray([[t - 1]]))
+    out = forward(
+        smol.params,
+        smol.config,
+        jnp.asarray([seq]),
+        jnp.arange(t)[None],
+        cache,
+        causal_mask(1, t),
+        logits_at=jnp.asarray([[t - 1]]),
+    )
     top = np.sort(np.asarray(out.logits[0, 0]))[-2:]
     return float(top[1] - top[0])
 
@@ -75,8 +92,10 @@ def assert_same_or_near_tie(smol, prompt, want, got):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,options", [("pld", {}), ("draft", {"draft_layers": 20}),
-                                            ("draft", {"draft_layers": 10, "use_logits": True})])
+@pytest.mark.parametrize(
+    "method,options",
+    [("pld", {}), ("draft", {"draft_layers": 20}), ("draft", {"draft_layers": 10, "use_logits": True})],
+)
 def test_speculative_greedy_equals_vanilla(smol, method, options):
     from specjax.methods import make_proposer
 
@@ -85,8 +104,7 @@ def test_speculative_greedy_equals_vanilla(smol, method, options):
     vanilla = eng.generate(encoded, max_new_tokens=64, eos_token_ids=())
     proposer, pparams = make_proposer(method, smol, **options)
     batched = eng.generate(encoded, 64, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
-    single = eng.generate(encoded[:1], 64, eos_token_ids=(), proposer=proposer,
-                          proposer_params=pparams)
+    single = eng.generate(encoded[:1], 64, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
     for prompt, want, got in zip(encoded, vanilla.token_ids, batched.token_ids):
         assert_same_or_near_tie(smol, prompt, want, got)
     assert_same_or_near_tie(smol, encoded[0], vanilla.token_ids[0], single.token_ids[0])
@@ -94,11 +112,13 @@ def test_speculative_greedy_equals_vanilla(smol, method, options):
 
 
 # Dev prompts (chat, summarization) for the shipped heads' acceptance.
-DEV_PROMPTS = ["Name three methods for authentication.",
-               "Lisa: I'm holding seats for you\r\nLuck: Thanks!!\r\nHugh: I'll be there soon\r\n"
-               "Lisa: Hurry up, people are looking at me with fury! \nGiven the above dialogue, "
-               "write a summary.\n",
-               "Tell the name of a famous mathematician."]
+DEV_PROMPTS = [
+    "Name three methods for authentication.",
+    "Lisa: I'm holding seats for you\r\nLuck: Thanks!!\r\nHugh: I'll be there soon\r\n"
+    "Lisa: Hurry up, people are looking at me with fury! \nGiven the above dialogue, "
+    "write a summary.\n",
+    "Tell the name of a famous mathematician.",
+]
 DEV_TOKENS = 48
 # Tokens emitted minus target passes over DEV_PROMPTS (greedy, DEV_TOKENS each, the shipped
 # heads at their recommended settings without the lookup graft), measured once on a 2-core Intel
@@ -123,14 +143,13 @@ def test_shipped_heads_are_accepted_and_lossless(smol, dev_vanilla, method):
 
     eng, encoded, vanilla = dev_vanilla
     proposer, pparams = make_proposer(method, smol, no_lookup=True)
-    spec = eng.generate(encoded, DEV_TOKENS, eos_token_ids=(), proposer=proposer,
-                        proposer_params=pparams)
+    spec = eng.generate(encoded, DEV_TOKENS, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
     for prompt, want, got in zip(encoded, vanilla.token_ids, spec.token_ids):
         assert_same_or_near_tie(smol, prompt, want, got)
     tokens, passes = sum(map(len, spec.token_ids)), sum(spec.steps)
     assert tokens - passes >= 0.7 * SHIPPED_MARGIN[method], (
-        f"{method}: {tokens} tokens in {passes} target passes; measured "
-        f"{tokens - SHIPPED_MARGIN[method]}")
+        f"{method}: {tokens} tokens in {passes} target passes; measured {tokens - SHIPPED_MARGIN[method]}"
+    )
 
 
 @pytest.mark.slow
@@ -143,8 +162,7 @@ def test_random_heads_fail_the_acceptance_bound(smol, dev_vanilla, tmp_path):
     eng, encoded, vanilla = dev_vanilla
     heads = random_head_checkpoint("eagle2", smol, tmp_path / "eagle2")
     proposer, pparams = make_proposer("eagle2", smol, heads=str(heads), no_lookup=True)
-    spec = eng.generate(encoded, DEV_TOKENS, eos_token_ids=(), proposer=proposer,
-                        proposer_params=pparams)
+    spec = eng.generate(encoded, DEV_TOKENS, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
     for prompt, want, got in zip(encoded, vanilla.token_ids, spec.token_ids):
         assert_same_or_near_tie(smol, prompt, want, got)
     assert sum(map(len, spec.token_ids)) - sum(spec.steps) < 0.7 * SHIPPED_MARGIN["eagle2"]
@@ -162,8 +180,12 @@ def test_methods_without_options_run_the_documented_defaults(smol):
     def graft_of(proposer):
         assert isinstance(proposer, LookupGraftProposer)
         lookup = proposer.lookup
-        assert (lookup.prompt_lookup_num_tokens, lookup.min_matching_ngram_size,
-                lookup.max_matching_ngram_size, proposer.width) == (5, 2, 3, None)
+        assert (
+            lookup.prompt_lookup_num_tokens,
+            lookup.min_matching_ngram_size,
+            lookup.max_matching_ngram_size,
+            proposer.width,
+        ) == (5, 2, 3, None)
         return proposer.base
 
     eagle2, params = make_proposer("eagle2", smol)

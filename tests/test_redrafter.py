@@ -15,8 +15,8 @@ import torch
 
 from specjax import Engine
 from specjax.checkpoint import CheckpointError
-from specjax.cpu.matmul import unpack_params
 from specjax.cli import main
+from specjax.cpu.matmul import unpack_params
 from specjax.loading import load_model
 from specjax.model import lm_head_weight
 from specjax.proposers import redrafter as rd
@@ -27,10 +27,10 @@ PROMPTS = [[5, 17, 99, 230, 41, 8, 77, 12, 3, 150, 64], [200, 31]]
 
 # ----------------------------------------------------------------------------- beams -> tree
 
+
 def _check_tree(tree, beams):
     """Structural invariants of a merged tree, and that it holds exactly the beams' prefixes."""
-    tokens, parent, depth, valid = (np.asarray(x) for x in
-                                    (tree.tokens, tree.parent, tree.depth, tree.valid))
+    tokens, parent, depth, valid = (np.asarray(x) for x in (tree.tokens, tree.parent, tree.depth, tree.valid))
     beams = np.asarray(beams)
     for b in range(tokens.shape[0]):
         assert parent[b, 0] == -1 and depth[b, 0] == 0 and valid[b, 0]
@@ -44,13 +44,12 @@ def _check_tree(tree, beams):
                 paths[i] = paths[p] + (int(tokens[b, i]),)
         got = [paths[i] for i in paths if i]
         assert len(got) == len(set(got)), "duplicate valid nodes (or siblings)"
-        want = {tuple(int(t) for t in beam[:d + 1]) for beam in beams[b] for d in range(len(beam))}
+        want = {tuple(int(t) for t in beam[: d + 1]) for beam in beams[b] for d in range(len(beam))}
         assert set(got) == want
 
 
 def test_hand_made_beams_merge_into_the_expected_tree():
-    beams = jnp.asarray([[[1, 2, 3], [1, 2, 4], [5, 2, 3]],
-                         [[7, 7, 7], [7, 7, 7], [7, 8, 7]]], jnp.int32)
+    beams = jnp.asarray([[[1, 2, 3], [1, 2, 4], [5, 2, 3]], [[7, 7, 7], [7, 7, 7], [7, 8, 7]]], jnp.int32)
     tree = rd.beams_to_tree(jnp.asarray([9, 6]), beams)
     assert tree.tokens[:, 0].tolist() == [9, 6]
     # Row 0: beam 1 shares [1, 2] with beam 0, so only its last token (4) is new; beam 2 is new.
@@ -79,8 +78,7 @@ def test_random_beams_make_valid_trees():
 # ----------------------------------------------------------------------------- beam search
 
 D, V = 16, 40
-_beam_search = jax.jit(rd.beam_search, static_argnames=("num_beams", "draft_len", "rnn",
-                                                       "warp_top_k", "temperature"))
+_beam_search = jax.jit(rd.beam_search, static_argnames=("num_beams", "draft_len", "rnn", "warp_top_k", "temperature"))
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +110,18 @@ def test_sampled_beams(small_drafter):
     cold, _ = _beam_search(params, embed, hidden, init, temperature=1e-3, keys=keys, **kw)
     top, _ = _beam_search(params, embed, hidden, init, temperature=1e-3, **kw)
     assert cold.tolist() == top.tolist()  # the noise is negligible at a tiny temperature
-    draws = [_beam_search(params, embed, hidden, init, temperature=1.0,
-                          keys=jax.vmap(jax.random.PRNGKey)(jnp.arange(3) + 10 * s), **kw)[0]
-             for s in range(4)]
+    draws = [
+        _beam_search(
+            params,
+            embed,
+            hidden,
+            init,
+            temperature=1.0,
+            keys=jax.vmap(jax.random.PRNGKey)(jnp.arange(3) + 10 * s),
+            **kw,
+        )[0]
+        for s in range(4)
+    ]
     assert any(d.tolist() != greedy.tolist() for d in draws)
     for d in draws:  # sampling without replacement: each sequence's beams stay distinct
         for row in np.asarray(d).tolist():
@@ -122,6 +129,7 @@ def test_sampled_beams(small_drafter):
 
 
 # ----------------------------------------------------------------------------- decoding
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama, tmp_path_factory):
@@ -131,8 +139,7 @@ def tiny(tiny_llama, tmp_path_factory):
     cfg = model.config
     shapes = rd.ReDrafterProposer(cfg.hidden_size, cfg.vocab_size, num_draft_layers=2, rnn=True)
     params = shapes.init_params(jax.random.PRNGKey(7), scale=3.0)
-    heads = rd.save_redrafter(tmp_path_factory.mktemp("rd") / "heads", params,
-                              rd.head_meta(shapes))
+    heads = rd.save_redrafter(tmp_path_factory.mktemp("rd") / "heads", params, rd.head_meta(shapes))
     eng = Engine(model.params, cfg, num_pages=256, page_size=8)
     return model, heads, eng
 
@@ -143,8 +150,7 @@ def test_greedy_equals_vanilla(tiny):
     assert (proposer.num_beams, proposer.draft_len_per_beam, proposer.tree_size) == (5, 5, 26)
     for prompts in (PROMPTS[:1], PROMPTS):
         vanilla = eng.generate(prompts, 16, eos_token_ids=())
-        spec = eng.generate(prompts, 16, eos_token_ids=(), proposer=proposer,
-                            proposer_params=pparams)
+        spec = eng.generate(prompts, 16, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
         assert spec.token_ids == vanilla.token_ids
         assert all(s <= 16 for s in spec.steps)
 
@@ -169,13 +175,13 @@ def test_reduced_draft_vocabulary(tiny, tmp_path):
     ids = jax.random.permutation(jax.random.PRNGKey(4), cfg.vocab_size)[:40].astype(jnp.int32)
     params["lm_head"] = params["lm_head"][ids]
     params["draft_ids"] = ids
-    heads = rd.save_redrafter(tmp_path / "rd40", params,
-                              {**rd.head_meta(shapes), "draft_vocab_size": 40})
+    heads = rd.save_redrafter(tmp_path / "rd40", params, {**rd.head_meta(shapes), "draft_vocab_size": 40})
     proposer, pparams = rd.make_redrafter(model, heads, num_beams=3, draft_len_per_beam=3)
     assert pparams["drafter"]["draft_ids"].dtype == jnp.int32
     h = jax.random.normal(jax.random.PRNGKey(5), (2, cfg.hidden_size))
-    beams, _ = rd.beam_search(pparams["drafter"], pparams["embed"], h, jnp.asarray([3, 4]),
-                              num_beams=3, draft_len=3, rnn=True)
+    beams, _ = rd.beam_search(
+        pparams["drafter"], pparams["embed"], h, jnp.asarray([3, 4]), num_beams=3, draft_len=3, rnn=True
+    )
     assert set(np.asarray(beams).ravel().tolist()) <= set(np.asarray(ids).tolist())
     vanilla = eng.generate(PROMPTS, 12, eos_token_ids=())
     spec = eng.generate(PROMPTS, 12, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
@@ -187,18 +193,20 @@ def test_sampled_beams_decode_losslessly(tiny):
     target's distribution is one-hot, so the output must equal greedy decoding; with real
     sampling a seed reproduces its output."""
     model, heads, eng = tiny
-    proposer, pparams = rd.make_redrafter(model, heads, num_beams=3, draft_len_per_beam=3,
-                                          greedy_search=False)
+    proposer, pparams = rd.make_redrafter(model, heads, num_beams=3, draft_len_per_beam=3, greedy_search=False)
     vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
     one_hot = SamplingConfig(temperature=0.8, top_k=1)
-    spec = eng.generate(PROMPTS, 16, eos_token_ids=(), sampling=one_hot, seeds=[4, 5],
-                        proposer=proposer, proposer_params=pparams)
+    spec = eng.generate(
+        PROMPTS, 16, eos_token_ids=(), sampling=one_hot, seeds=[4, 5], proposer=proposer, proposer_params=pparams
+    )
     assert spec.token_ids == vanilla.token_ids
     hot = SamplingConfig(temperature=1.5)
-    a = eng.generate(PROMPTS, 16, eos_token_ids=(), sampling=hot, seeds=[1, 2],
-                     proposer=proposer, proposer_params=pparams)
-    b = eng.generate(PROMPTS, 16, eos_token_ids=(), sampling=hot, seeds=[1, 2],
-                     proposer=proposer, proposer_params=pparams)
+    a = eng.generate(
+        PROMPTS, 16, eos_token_ids=(), sampling=hot, seeds=[1, 2], proposer=proposer, proposer_params=pparams
+    )
+    b = eng.generate(
+        PROMPTS, 16, eos_token_ids=(), sampling=hot, seeds=[1, 2], proposer=proposer, proposer_params=pparams
+    )
     assert a.token_ids == b.token_ids and all(len(t) == 16 for t in a.token_ids)
     assert a.token_ids != vanilla.token_ids
 
@@ -214,21 +222,25 @@ def test_oracle_drafter_accepts_whole_beams(tiny):
     eng = Engine(loop, cfg, num_pages=256, page_size=8)
     vanilla = eng.generate(PROMPTS[:1], 16, eos_token_ids=())
     assert len(set(vanilla.token_ids[0])) == 1
-    proposer = rd.ReDrafterProposer(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                                    num_draft_layers=2)
+    proposer = rd.ReDrafterProposer(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_draft_layers=2)
     drafter = proposer.init_params(jax.random.PRNGKey(1))
     drafter["resblocks"] = jax.tree_util.tree_map(jnp.zeros_like, drafter["resblocks"])
-    drafter["lm_head"] = jnp.concatenate(
-        [lm_head_weight(loop), jnp.zeros((cfg.vocab_size, cfg.hidden_size))], axis=1)
+    drafter["lm_head"] = jnp.concatenate([lm_head_weight(loop), jnp.zeros((cfg.vocab_size, cfg.hidden_size))], axis=1)
     one_beam = dataclasses.replace(proposer, num_beams=1, draft_len_per_beam=3)  # a chain
     for prop, per_step in ((proposer, 6), (one_beam, 4)):  # root + all drafts accepted
-        spec = eng.generate(PROMPTS[:1], 16, eos_token_ids=(), proposer=prop,
-                            proposer_params={"drafter": drafter, "embed": loop["embed"]})
+        spec = eng.generate(
+            PROMPTS[:1],
+            16,
+            eos_token_ids=(),
+            proposer=prop,
+            proposer_params={"drafter": drafter, "embed": loop["embed"]},
+        )
         assert spec.token_ids == vanilla.token_ids
         assert spec.steps[0] == math.ceil(16 / per_step)
 
 
 # ----------------------------------------------------------------------------- converter
+
 
 class TorchResBlock(torch.nn.Module):  # apple/ml-recurrent-drafter's module layout
     def __init__(self, e):
@@ -247,8 +259,9 @@ class TorchDrafter(torch.nn.Module):
         self.rnn = rnn
         if exit_dim != 2 * d:
             self.input_proj = torch.nn.Linear(2 * d, exit_dim, bias=True)
-        self.lm_head = torch.nn.Sequential(*[TorchResBlock(exit_dim) for _ in range(layers)],
-                                           torch.nn.Linear(exit_dim, v, bias=False))
+        self.lm_head = torch.nn.Sequential(
+            *[TorchResBlock(exit_dim) for _ in range(layers)], torch.nn.Linear(exit_dim, v, bias=False)
+        )
         if rnn:
             self.rnn_u = torch.nn.Linear(d, d, bias=True)
             self.rnn_w = torch.nn.Linear(d, d, bias=False)
@@ -282,8 +295,7 @@ class TorchDrafter(torch.nn.Module):
         return beams[..., 1:]
 
 
-def write_apple_drafter(path, d, v, *, exit_dim=None, layers=2, rnn=True, fmt="safetensors",
-                        seed=0):
+def write_apple_drafter(path, d, v, *, exit_dim=None, layers=2, rnn=True, fmt="safetensors", seed=0):
     torch.manual_seed(seed)
     e = 2 * d if exit_dim is None else exit_dim
     net = TorchDrafter(d, v, e, layers, rnn).eval()
@@ -294,13 +306,25 @@ def write_apple_drafter(path, d, v, *, exit_dim=None, layers=2, rnn=True, fmt="s
     sd = {k: t.contiguous() for k, t in net.state_dict().items()}
     if fmt == "safetensors":
         from safetensors.torch import save_file
+
         save_file(sd, str(path / "model.safetensors"))
     else:
         torch.save(sd, path / "pytorch_model.bin")
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "recurrent_drafting_drafter", "architectures": ["Drafter"],
-        "vocab_size": v, "hidden_size": d, "exit_dim": e, "num_draft_layers": layers,
-        "num_lookback_tokens": -1, "rnn": rnn, "torch_dtype": "float32"}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "recurrent_drafting_drafter",
+                "architectures": ["Drafter"],
+                "vocab_size": v,
+                "hidden_size": d,
+                "exit_dim": e,
+                "num_draft_layers": layers,
+                "num_lookback_tokens": -1,
+                "rnn": rnn,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     return net
 
 
@@ -313,8 +337,7 @@ def test_converted_drafter_matches_pytorch(tiny_llama, tiny, tmp_path, variant):
     _, hf = tiny_llama
     cfg = hf.config
     d, v = cfg.hidden_size, cfg.vocab_size
-    kw = (dict(rnn=True, layers=2) if variant == "rnn"
-          else dict(rnn=False, layers=1, exit_dim=48, fmt="bin"))
+    kw = dict(rnn=True, layers=2) if variant == "rnn" else dict(rnn=False, layers=1, exit_dim=48, fmt="bin")
     net = write_apple_drafter(tmp_path / "apple", d, v, **kw)
     assert main(["convert", str(tmp_path / "apple"), "--out", str(tmp_path / "sj")]) == 0
     meta, params = rd.load_redrafter(tmp_path / "sj")
@@ -335,15 +358,21 @@ def test_converted_drafter_matches_pytorch(tiny_llama, tiny, tmp_path, variant):
     init = torch.tensor([5, 17, 250])
     with torch.no_grad():
         want = net.beam_search(h, init, embed, 4, 3).numpy()
-    got, _ = rd.beam_search(params, jnp.asarray(embed.numpy()), jnp.asarray(h.numpy()),
-                            jnp.asarray(init.numpy()), num_beams=4, draft_len=3, rnn=meta["rnn"])
+    got, _ = rd.beam_search(
+        params,
+        jnp.asarray(embed.numpy()),
+        jnp.asarray(h.numpy()),
+        jnp.asarray(init.numpy()),
+        num_beams=4,
+        draft_len=3,
+        rnn=meta["rnn"],
+    )
     assert np.asarray(got).tolist() == want.tolist()
     if variant == "rnn":  # the converted heads decode through make_redrafter like vanilla
         model, _, eng = tiny  # (same shapes as test_greedy_equals_vanilla: no new compiles)
         proposer, pparams = rd.make_redrafter(model, tmp_path / "sj")
         vanilla = eng.generate(PROMPTS[:1], 16, eos_token_ids=())
-        spec = eng.generate(PROMPTS[:1], 16, eos_token_ids=(), proposer=proposer,
-                            proposer_params=pparams)
+        spec = eng.generate(PROMPTS[:1], 16, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
         assert spec.token_ids == vanilla.token_ids
 
 
@@ -365,9 +394,18 @@ def test_converter_and_loader_errors(tiny_llama, tmp_path, capsys):
     _one_line_error(e, "hidden_size 48", "model has 64")
     # A drafter directory without weights.
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "config.json").write_text(json.dumps({
-        "model_type": "recurrent_drafting_drafter", "vocab_size": 320, "hidden_size": 64,
-        "exit_dim": 128, "num_draft_layers": 1, "rnn": True}))
+    (tmp_path / "empty" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "recurrent_drafting_drafter",
+                "vocab_size": 320,
+                "hidden_size": 64,
+                "exit_dim": 128,
+                "num_draft_layers": 1,
+                "rnn": True,
+            }
+        )
+    )
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "empty"), "--out", str(tmp_path / "x")]) != 0
     err = capsys.readouterr().err.strip()
@@ -378,10 +416,10 @@ def test_converter_and_loader_errors(tiny_llama, tmp_path, capsys):
     (tmp_path / "bad" / "config.json").write_text(json.dumps({**cfg, "num_draft_layers": 1}))
     with pytest.raises(CheckpointError) as e:
         from specjax.convert.redrafter import read_redrafter
+
         read_redrafter(tmp_path / "bad")
     _one_line_error(e, "lacks tensor 'lm_head.1.weight'")
-    (tmp_path / "bad" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32,
-                                                              "exit_dim": 64}))
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32, "exit_dim": 64}))
     with pytest.raises(CheckpointError) as e:
         read_redrafter(tmp_path / "bad")
     _one_line_error(e, "shape")
@@ -400,15 +438,38 @@ def test_converter_and_loader_errors(tiny_llama, tmp_path, capsys):
 def test_cli_redrafter_equals_vanilla(tiny_llama, tmp_path, capsys):
     """`specjax generate --method redrafter --heads` (converted Apple drafter) == vanilla."""
     d_dir, hf = tiny_llama
-    write_apple_drafter(tmp_path / "apple", hf.config.hidden_size, hf.config.vocab_size,
-                        rnn=True, layers=1)
+    write_apple_drafter(tmp_path / "apple", hf.config.hidden_size, hf.config.vocab_size, rnn=True, layers=1)
     assert main(["convert", str(tmp_path / "apple"), "--out", str(tmp_path / "sj")]) == 0
-    base = ["generate", "--model", str(d_dir), "--raw", "--json", "--max-new-tokens", "16",
-            "--prompt", "The quick brown fox", "--prompt", "1 + 1 =", "--batch-size", "2"]
+    base = [
+        "generate",
+        "--model",
+        str(d_dir),
+        "--raw",
+        "--json",
+        "--max-new-tokens",
+        "16",
+        "--prompt",
+        "The quick brown fox",
+        "--prompt",
+        "1 + 1 =",
+        "--batch-size",
+        "2",
+    ]
     capsys.readouterr()
     outs = []
-    for extra in ([], ["--method", "redrafter", "--heads", str(tmp_path / "sj"),
-                       "--redrafter-num-beams", "3", "--redrafter-draft-len-per-beam", "3"]):
+    for extra in (
+        [],
+        [
+            "--method",
+            "redrafter",
+            "--heads",
+            str(tmp_path / "sj"),
+            "--redrafter-num-beams",
+            "3",
+            "--redrafter-draft-len-per-beam",
+            "3",
+        ],
+    ):
         assert main(base + extra) == 0
         outs.append([json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines()])
     assert outs[0] == outs[1]

@@ -14,14 +14,23 @@ import pytest
 from conftest import random_eagle2
 
 from specjax import Engine, init_params
-from specjax.config import ModelConfig
+from specjax.model_config import ModelConfig
 from specjax.proposers import PromptLookupProposer
 from specjax.proposers.lookahead import LookaheadProposer
 from specjax.sampling import SamplingConfig
 from specjax.serving.scheduler import QueueFull, RequestError, Scheduler
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=512, eos_token_ids=(3,))
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    eos_token_ids=(3,),
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +61,30 @@ SAMPLED = SamplingConfig(temperature=0.8, top_k=20)
 
 
 # every method greedy; sampled, one stateless and one stateful drafter (the suite's time)
-@pytest.mark.parametrize("kind,sampling", [
-    ("vanilla", SamplingConfig()), ("pld", SamplingConfig()), ("eagle2", SamplingConfig()),
-    ("lookahead", SamplingConfig()), ("vanilla", SAMPLED), ("eagle2", SAMPLED)],
-    ids=["greedy-vanilla", "greedy-pld", "greedy-eagle2", "greedy-lookahead", "sampled-vanilla",
-         "sampled-eagle2"])
+@pytest.mark.parametrize(
+    "kind,sampling",
+    [
+        ("vanilla", SamplingConfig()),
+        ("pld", SamplingConfig()),
+        ("eagle2", SamplingConfig()),
+        ("lookahead", SamplingConfig()),
+        ("vanilla", SAMPLED),
+        ("eagle2", SAMPLED),
+    ],
+    ids=["greedy-vanilla", "greedy-pld", "greedy-eagle2", "greedy-lookahead", "sampled-vanilla", "sampled-eagle2"],
+)
 def test_staggered_requests_get_the_answer_they_get_alone(target, kind, sampling):
     proposer, pparams = _proposer(kind, target)
     prompts = _prompts(7)
     limits = [5 + 3 * (i % 4) for i in range(len(prompts))]
     alone = Engine(target, CFG, num_pages=64, page_size=8)
-    outs = [alone.generate([p], n, sampling=sampling, seeds=[11 + i], proposer=proposer,
-                           proposer_params=pparams) for i, (p, n) in enumerate(zip(prompts, limits))]
+    outs = [
+        alone.generate([p], n, sampling=sampling, seeds=[11 + i], proposer=proposer, proposer_params=pparams)
+        for i, (p, n) in enumerate(zip(prompts, limits))
+    ]
     want = [o.token_ids[0] for o in outs]
     engine = Engine(target, CFG, num_pages=64, page_size=8)
-    sched = Scheduler(engine, proposer, pparams, max_batch=3, sync_steps=2, admit_group=2,
-                      budget=False).start()
+    sched = Scheduler(engine, proposer, pparams, max_batch=3, sync_steps=2, admit_group=2, budget=False).start()
     handles = []
     for i, (p, n) in enumerate(zip(prompts, limits)):
         handles.append(sched.submit(p, n, sampling=sampling, seed=11 + i))
@@ -95,8 +112,7 @@ def test_a_broken_merge_is_caught(target, monkeypatch):
     proposer, pparams = random_eagle2(CFG, target)
     prompts = _prompts(4, seed=1)
     alone = Engine(target, CFG, num_pages=64, page_size=8)
-    want = [alone.generate([p], 12, proposer=proposer, proposer_params=pparams).steps[0]
-            for p in prompts]
+    want = [alone.generate([p], 12, proposer=proposer, proposer_params=pparams).steps[0] for p in prompts]
     monkeypatch.setattr(sched_mod, "merge_rows", _keep_old_rows)
     engine = Engine(target, CFG, num_pages=64, page_size=8)
     sched = Scheduler(engine, proposer, pparams, max_batch=2, admit_group=1, budget=False).start()
@@ -154,37 +170,37 @@ def _serve_beside_a_running_request(target, kind, sampling, prefill_chunk):
     rng = np.random.default_rng(5)
     short, long_ = rng.integers(4, 64, size=6).tolist(), rng.integers(4, 64, size=20).tolist() * 3
     engine = Engine(target, CFG, num_pages=64, page_size=8)
-    sched = Scheduler(engine, proposer, pparams, max_batch=2, sync_steps=1, budget=False,
-                      prefill_chunk=prefill_chunk).start()
+    sched = Scheduler(
+        engine, proposer, pparams, max_batch=2, sync_steps=1, budget=False, prefill_chunk=prefill_chunk
+    ).start()
     order = []
-    first = sched.submit(short, 40, sampling=sampling, seed=1,
-                         notify=lambda e: order.append(("short", e)))
+    first = sched.submit(short, 40, sampling=sampling, seed=1, notify=lambda e: order.append(("short", e)))
     first.events.get(timeout=300)
     order.append(("submitted", None))
-    second = sched.submit(long_, 12, sampling=sampling, seed=2,
-                          notify=lambda e: order.append(("long", e)))
+    second = sched.submit(long_, 12, sampling=sampling, seed=2, notify=lambda e: order.append(("long", e)))
     first.result(timeout=300), second.result(timeout=300)
     sched.stop()
     who = [w for w, _ in order]
-    rounds = who[who.index("submitted"):who.index("long")].count("short")  # events meanwhile
+    rounds = who[who.index("submitted") : who.index("long")].count("short")  # events meanwhile
     return (short, long_), (first, second), rounds, engine, proposer
 
 
-@pytest.mark.parametrize("kind,sampling", [("vanilla", SamplingConfig()), ("eagle2", SAMPLED)],
-                         ids=["greedy-vanilla", "sampled-eagle2"])
+@pytest.mark.parametrize(
+    "kind,sampling", [("vanilla", SamplingConfig()), ("eagle2", SAMPLED)], ids=["greedy-vanilla", "sampled-eagle2"]
+)
 def test_a_long_prompt_is_prefilled_in_chunks_between_rounds(target, kind, sampling):
     """With prefill_chunk=8 a 60-token prompt takes 8 rounds to prefill, and the running request
     gains tokens in each; both answers (and target passes) equal each alone, and the K/V and
     EAGLE's draft entries left in the pools equal those of whole-prompt prefill. Control: whole
     prompts leave the running request waiting for the long prefill."""
-    prompts, chunked, rounds, engine, proposer = _serve_beside_a_running_request(
-        target, kind, sampling, 8)
-    _, whole, whole_rounds, whole_engine, _ = _serve_beside_a_running_request(
-        target, kind, sampling, None)
+    prompts, chunked, rounds, engine, proposer = _serve_beside_a_running_request(target, kind, sampling, 8)
+    _, whole, whole_rounds, whole_engine, _ = _serve_beside_a_running_request(target, kind, sampling, None)
     alone = Engine(target, CFG, num_pages=64, page_size=8)
     pparams = _proposer(kind, target)[1]
-    outs = [alone.generate([p], n, sampling=sampling, seeds=[seed], proposer=proposer,
-                           proposer_params=pparams) for p, n, seed in zip(prompts, (40, 12), (1, 2))]
+    outs = [
+        alone.generate([p], n, sampling=sampling, seeds=[seed], proposer=proposer, proposer_params=pparams)
+        for p, n, seed in zip(prompts, (40, 12), (1, 2))
+    ]
     for handles in (chunked, whole):
         assert [h.tokens for h in handles] == [o.token_ids[0] for o in outs]
         assert [h.steps for h in handles] == [o.steps[0] for o in outs]
@@ -224,8 +240,7 @@ def test_the_speculation_budget_keeps_answers_and_cuts_trees(target, kind):
     proposer, pparams = _proposer(kind, target)
     prompts = _prompts(6, seed=3)
     alone = Engine(target, CFG, num_pages=64, page_size=8)
-    want = [alone.generate([p], 16, proposer=proposer, proposer_params=pparams).token_ids[0]
-            for p in prompts]
+    want = [alone.generate([p], 16, proposer=proposer, proposer_params=pparams).token_ids[0] for p in prompts]
     engine = Engine(target, CFG, num_pages=64, page_size=8)
     sched = Scheduler(engine, proposer, pparams, max_batch=4, sync_steps=1).start()
     got = [h.result(timeout=300) for h in [sched.submit(p, 16) for p in prompts]]
@@ -264,9 +279,14 @@ def _eagle_init(proposer, pparams, pools, tokens, table, start, feats):
     row = np.zeros((1, 64), np.int32)
     row[0, :n] = tokens
     width = n - 1 - start
-    ctx = SpecContext(jnp.asarray(row), jnp.asarray([n], jnp.int32),
-                      jnp.asarray([table + [0] * (8 - len(table))], jnp.int32), None,
-                      prompt_hidden=jnp.asarray(feats[None]), prompt_start=jnp.asarray([start], jnp.int32))
+    ctx = SpecContext(
+        jnp.asarray(row),
+        jnp.asarray([n], jnp.int32),
+        jnp.asarray([table + [0] * (8 - len(table))], jnp.int32),
+        None,
+        prompt_hidden=jnp.asarray(feats[None]),
+        prompt_start=jnp.asarray([start], jnp.int32),
+    )
     return proposer.init(pparams, pools, ctx, jnp.zeros((1, width), jnp.int32), jnp.asarray([n - 1], jnp.int32))
 
 
@@ -285,19 +305,28 @@ def test_eagle_init_resumes_from_shared_prefix_pairs(target):
     def resumed(neighbour_token_24):
         other = prefix[:24] + [neighbour_token_24] + rng.integers(4, 64, size=6).tolist()
         other_feats = np.concatenate([feats[:24], rng.normal(size=(len(other) - 25, CFG.hidden_size))])
-        left = _eagle_init(proposer, pparams, proposer.make_pools(16, 8, jnp.float32), other,
-                           [8, 9, 10, 11], 0, other_feats.astype(np.float32))
-        return _eagle_init(proposer, pparams, (left.k_pages, left.v_pages), mine, [8, 9, 10, 12, 13],
-                           24, feats[24:])
+        left = _eagle_init(
+            proposer,
+            pparams,
+            proposer.make_pools(16, 8, jnp.float32),
+            other,
+            [8, 9, 10, 11],
+            0,
+            other_feats.astype(np.float32),
+        )
+        return _eagle_init(proposer, pparams, (left.k_pages, left.v_pages), mine, [8, 9, 10, 12, 13], 24, feats[24:])
 
     same = resumed(prefix[24])
     np.testing.assert_allclose(same.next_hidden, alone.next_hidden, rtol=1e-5, atol=1e-5)
     assert int(same.lengths[0]) == int(alone.lengths[0]) == len(mine) - 1
     # every draft entry: pages 0..4 alone are pages 8, 9, 10 (shared) and 12, 13 resumed
     for layer in range(len(alone.k_pages)):
-        np.testing.assert_allclose(np.asarray(same.k_pages[layer])[:, [8, 9, 10, 12, 13]],
-                                   np.asarray(alone.k_pages[layer])[:, [0, 1, 2, 3, 4]],
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(same.k_pages[layer])[:, [8, 9, 10, 12, 13]],
+            np.asarray(alone.k_pages[layer])[:, [0, 1, 2, 3, 4]],
+            rtol=1e-5,
+            atol=1e-5,
+        )
     differs = resumed(4 + (prefix[24] - 4 + 1) % 60)
     k_alone, k_differs = np.asarray(alone.k_pages[0])[:, 2], np.asarray(differs.k_pages[0])[:, 10]
     np.testing.assert_allclose(k_differs[:, :7], k_alone[:, :7], rtol=1e-5, atol=1e-5)
@@ -314,11 +343,12 @@ def test_eagle_requests_reuse_the_pages_of_a_shared_prefix(target, sampling):
     prefix = rng.integers(4, 64, size=30).tolist()
     prompts = [prefix + [5, 6, 7], prefix + [9, 10], prefix + [5, 6, 7]]
     alone = Engine(target, CFG, num_pages=64, page_size=8)
-    outs = [alone.generate([p], 8, sampling=sampling, seeds=[21 + i], proposer=proposer,
-                           proposer_params=pparams) for i, p in enumerate(prompts)]
+    outs = [
+        alone.generate([p], 8, sampling=sampling, seeds=[21 + i], proposer=proposer, proposer_params=pparams)
+        for i, p in enumerate(prompts)
+    ]
     engine = Engine(target, CFG, num_pages=64, page_size=8)
-    sched = Scheduler(engine, proposer, pparams, max_batch=2, sync_steps=2, admit_group=2,
-                      budget=False).start()
+    sched = Scheduler(engine, proposer, pparams, max_batch=2, sync_steps=2, admit_group=2, budget=False).start()
     handles = []
     for i, p in enumerate(prompts):  # one after the other: each finds the last one's pages
         handles.append(sched.submit(p, 8, sampling=sampling, seed=21 + i))
@@ -339,13 +369,22 @@ def test_offline_continuous_batching_runs_every_method_on_the_scheduler(target, 
     proposer, pparams = _proposer(kind, target)
     prompts = _prompts(6, seed=3)
     engine = Engine(target, CFG, num_pages=64, page_size=8)
-    got = {r.index: r for r in engine.generate_continuous(
-        prompts, 9, slots=4, refill=2, sampling=SAMPLED, seeds=[50 + i for i in range(6)],
-        proposer=proposer, proposer_params=pparams)}
+    got = {
+        r.index: r
+        for r in engine.generate_continuous(
+            prompts,
+            9,
+            slots=4,
+            refill=2,
+            sampling=SAMPLED,
+            seeds=[50 + i for i in range(6)],
+            proposer=proposer,
+            proposer_params=pparams,
+        )
+    }
     assert sorted(got) == list(range(6))
     for i, p in enumerate(prompts):
-        alone = engine.generate([p], 9, sampling=SAMPLED, seeds=[50 + i], proposer=proposer,
-                                proposer_params=pparams)
+        alone = engine.generate([p], 9, sampling=SAMPLED, seeds=[50 + i], proposer=proposer, proposer_params=pparams)
         assert got[i].token_ids == alone.token_ids[0]
         assert got[i].steps == alone.steps[0] and got[i].finished_by_eos == alone.finished_by_eos[0]
     assert any(r.steps < len(r.token_ids) for r in got.values())  # drafts were accepted

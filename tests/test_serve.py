@@ -29,8 +29,16 @@ from specjax.random_heads import random_head_checkpoint  # noqa: E402
 from specjax.serving.scheduler import Scheduler  # noqa: E402
 from specjax.serving.server import TextStream, create_app, running_in_thread  # noqa: E402
 
-PROMPTS = ["Hello! How are you", "def add(a, b):", "1 + 1 = 2, 2 + 2", "The quick brown fox",
-           "Hello! How are you today?", "3 * 3 = 9, and", "thank you, I am", "def fib(n):"]
+PROMPTS = [
+    "Hello! How are you",
+    "def add(a, b):",
+    "1 + 1 = 2, 2 + 2",
+    "The quick brown fox",
+    "Hello! How are you today?",
+    "3 * 3 = 9, and",
+    "thank you, I am",
+    "def fib(n):",
+]
 
 
 @contextlib.contextmanager
@@ -38,8 +46,7 @@ def serving(model, method="vanilla", heads=None, **scheduler_options):
     """A server on a free local port in this process; yields (base url, scheduler)."""
     options = {} if heads is None else {"heads": str(heads)}
     proposer, pparams = make_proposer(method, model, **options)
-    engine = Engine(model.params, model.config, num_pages=scheduler_options.pop("num_pages", 128),
-                    page_size=16)
+    engine = Engine(model.params, model.config, num_pages=scheduler_options.pop("num_pages", 128), page_size=16)
     sched = Scheduler(engine, proposer, pparams, **scheduler_options)
     with running_in_thread(create_app(sched, model.tokenizer, "tiny")) as url:
         yield url, sched
@@ -53,8 +60,18 @@ def tiny(tiny_llama, tmp_path_factory):
 
 
 def _generate_alone(capsys, d, method, heads, prompt, n, raw=False):
-    args = ["generate", "--model", str(d), "--method", method, "--json", "--max-new-tokens",
-            str(n), "--prompt", prompt] + (["--heads", str(heads)] if method == "eagle2" else [])
+    args = [
+        "generate",
+        "--model",
+        str(d),
+        "--method",
+        method,
+        "--json",
+        "--max-new-tokens",
+        str(n),
+        "--prompt",
+        prompt,
+    ] + (["--heads", str(heads)] if method == "eagle2" else [])
     assert main(args + (["--raw"] if raw else [])) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -65,15 +82,14 @@ def test_concurrent_answers_equal_specjax_generate_alone(tiny, capsys, method):
     alone = [_generate_alone(capsys, d, method, heads, p, 12) for p in PROMPTS]
     raw = _generate_alone(capsys, d, method, heads, PROMPTS[1], 12, raw=True)
     # budget=False: every step verifies the whole tree, so target passes compare too
-    with serving(model, method, heads if method == "eagle2" else None, max_batch=4,
-                 budget=False) as (url, _):
+    with serving(model, method, heads if method == "eagle2" else None, max_batch=4, budget=False) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         got = [None] * len(PROMPTS)
 
         def ask(i):
             got[i] = client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": PROMPTS[i]}], temperature=0,
-                max_tokens=12)
+                model="tiny", messages=[{"role": "user", "content": PROMPTS[i]}], temperature=0, max_tokens=12
+            )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
@@ -92,18 +108,20 @@ def test_concurrent_answers_equal_specjax_generate_alone(tiny, capsys, method):
                 assert want["new_tokens"] - want["steps"] <= accepted <= want["new_tokens"]
                 assert 0 <= u.model_extra["acceptance_rate"] <= 1
         stream = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
-            max_tokens=12, stream=True)
+            model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0, max_tokens=12, stream=True
+        )
         chunks = list(stream)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-            alone[0]["text"]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone[0]["text"]
         assert chunks[-1].usage.completion_tokens == alone[0]["new_tokens"]
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-        text = client.completions.create(model="tiny", prompt=PROMPTS[1], temperature=0,
-                                         max_tokens=12)
+        text = client.completions.create(model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=12)
         assert text.choices[0].text == raw["text"]
-        pieces = [c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=12, stream=True)]
+        pieces = [
+            c.choices[0].text
+            for c in client.completions.create(
+                model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=12, stream=True
+            )
+        ]
         assert "".join(pieces) == raw["text"]
 
 
@@ -113,8 +131,13 @@ def test_sampled_answers_reproduce_for_a_seed_whatever_runs_beside(tiny):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
 
         def ask(seed, prompt=PROMPTS[3]):
-            return client.completions.create(model="tiny", prompt=prompt, temperature=0.9,
-                                             top_p=0.95, max_tokens=16, seed=seed).choices[0].text
+            return (
+                client.completions.create(
+                    model="tiny", prompt=prompt, temperature=0.9, top_p=0.95, max_tokens=16, seed=seed
+                )
+                .choices[0]
+                .text
+            )
 
         alone = ask(7)
         others = [threading.Thread(target=ask, args=(s, PROMPTS[s % 8])) for s in range(6)]
@@ -127,17 +150,25 @@ def test_sampled_answers_reproduce_for_a_seed_whatever_runs_beside(tiny):
         assert len({ask(s) for s in range(4)}) > 1  # the seed matters
 
 
-@pytest.mark.parametrize("body,field", [
-    (b"{not json", "body"), (b"[1, 2]", "body"),
-    ({"prompt": "hi", "temperature": -1}, "temperature"),
-    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, "top_p"), ({"prompt": "hi", "top_k": 1.5}, "top_k"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "stop": 5}, "stop"), ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": ""}, "prompt"), ({}, "prompt"),
-    ({"prompt": "hi " * 400, "max_tokens": 200}, "context"),
-    ({"messages": "hi"}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        (b"{not json", "body"),
+        (b"[1, 2]", "body"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_k": 1.5}, "top_k"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "stop": 5}, "stop"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": ""}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "hi " * 400, "max_tokens": 200}, "context"),
+        ({"messages": "hi"}, "messages"),
+    ],
+)
 def test_bad_requests_get_400_naming_the_field(tiny, body, field):
     _, model, _ = tiny
     path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
@@ -167,14 +198,16 @@ def test_queue_full_gets_429_with_retry_after(tiny):
 def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny):
     _, model, _ = tiny
     with serving(model, max_batch=1, sync_steps=1) as (url, sched):
-        with httpx.stream("POST", url + "/v1/completions",
-                          json={"prompt": "hi", "max_tokens": 400, "stream": True}) as r:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={"prompt": "hi", "max_tokens": 400, "stream": True}
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break  # one chunk, then hang up
         deadline = time.time() + 60
-        while (sched.busy() or sched.engine.allocator.num_free != sched.engine.allocator.num_pages) \
-                and time.time() < deadline:
+        while (
+            sched.busy() or sched.engine.allocator.num_free != sched.engine.allocator.num_pages
+        ) and time.time() < deadline:
             time.sleep(0.05)
         assert sched.busy() == 0 and sched.stats["cancelled"] == 1
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
@@ -188,9 +221,13 @@ def test_models_health_and_metrics(tiny):
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["tiny"]
         httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         text = httpx.get(url + "/metrics").text
-        for name in ("specjax_requests_total 1", "specjax_queue_depth 0",
-                     "specjax_generated_tokens_total", "specjax_steps_total",
-                     "specjax_tokens_per_step"):
+        for name in (
+            "specjax_requests_total 1",
+            "specjax_queue_depth 0",
+            "specjax_generated_tokens_total",
+            "specjax_steps_total",
+            "specjax_tokens_per_step",
+        ):
             assert name in text, text
 
 
@@ -198,18 +235,19 @@ def test_stop_strings_end_the_answer_before_them(tiny):
     _, model, _ = tiny
     with serving(model, max_batch=2) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-        full = client.completions.create(model="tiny", prompt=PROMPTS[2], temperature=0,
-                                         max_tokens=16).choices[0].text
+        full = client.completions.create(model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=16).choices[0].text
         # the first two characters after the third that are not all blank
-        stop = next((full[i:i + 2] for i in range(3, len(full) - 1) if full[i:i + 2].strip()), None)
+        stop = next((full[i : i + 2] for i in range(3, len(full) - 1) if full[i : i + 2].strip()), None)
         assert stop, f"the tiny model's answer {full!r} has no stop string to cut at"
-        cut = client.completions.create(model="tiny", prompt=PROMPTS[2], temperature=0,
-                                        max_tokens=16, stop=[stop])
-        assert cut.choices[0].text == full[:full.index(stop)]
+        cut = client.completions.create(model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=16, stop=[stop])
+        assert cut.choices[0].text == full[: full.index(stop)]
         assert cut.choices[0].finish_reason == "stop"
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=16, stop=[stop],
-            stream=True))
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=16, stop=[stop], stream=True
+            )
+        )
         assert streamed == cut.choices[0].text
 
 
@@ -231,8 +269,10 @@ def test_load_64_requests_at_concurrency_16(tiny):
     engine = Engine(model.params, model.config, num_pages=64, page_size=16)
     tok = model.tokenizer
     lengths = [4 + (i % 5) * 3 for i in range(8)]
-    want = {i: tok.decode(engine.generate([tok(PROMPTS[i]).input_ids], lengths[i]).token_ids[0],
-                          skip_special_tokens=True) for i in range(8)}
+    want = {
+        i: tok.decode(engine.generate([tok(PROMPTS[i]).input_ids], lengths[i]).token_ids[0], skip_special_tokens=True)
+        for i in range(8)
+    }
     with serving(model, max_batch=8, num_pages=256) as (url, sched):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         got = {}
@@ -246,8 +286,11 @@ def test_load_64_requests_at_concurrency_16(tiny):
                         return
                     j = jobs.pop()
                 i = j % 8
-                out = client.completions.create(model="tiny", prompt=PROMPTS[i], temperature=0,
-                                                max_tokens=lengths[i]).choices[0].text
+                out = (
+                    client.completions.create(model="tiny", prompt=PROMPTS[i], temperature=0, max_tokens=lengths[i])
+                    .choices[0]
+                    .text
+                )
                 with lock:
                     got[j] = out
 
@@ -271,9 +314,25 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny):
     d, _, _ = tiny
     port = _free_port()
     env = {**os.environ, "SPECJAX_COMPILE_CACHE": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--model", str(d),
-                             "--port", str(port), "--max-batch", "2", "--cache-pages", "64"],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specjax.cli",
+            "serve",
+            "--model",
+            str(d),
+            "--port",
+            str(port),
+            "--max-batch",
+            "2",
+            "--cache-pages",
+            "64",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -286,9 +345,12 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny):
             assert time.time() < deadline and proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
         lines = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                          json={"prompt": "hi", "max_tokens": 48, "stream": True,
-                                "temperature": 0}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=120,
+            json={"prompt": "hi", "max_tokens": 48, "stream": True, "temperature": 0},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and not lines:
                     proc.send_signal(signal.SIGTERM)  # mid-answer

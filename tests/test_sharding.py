@@ -20,7 +20,7 @@ from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import contextlib, dataclasses, io, json, os, sys
     import jax, jax.numpy as jnp, numpy as np
     from specjax import Engine, ModelConfig, init_params
@@ -160,7 +160,7 @@ SCRIPT = textwrap.dedent('''
     out["cli_rc"] = rc
     out["cli"] = [json.loads(l)["token_ids"] for l in buf.getvalue().splitlines() if l.startswith("{")]
     print("RESULT " + json.dumps(out))
-''')
+""")
 
 
 def _free_port() -> int:
@@ -175,22 +175,63 @@ def runs(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharding")
     script = tmp / "mesh_checks.py"
     script.write_text(SCRIPT)
-    cli_args = ["generate", "--model", str(tiny_llama[0]), "--method", "pld", "--raw", "--json",
-                "--no-warmup", "--max-new-tokens", "8", "--batch-size", "2",
-                "--prompt", "Hello! How are you today?", "--prompt", "def add(a, b):"]
-    base = {**os.environ, "JAX_PLATFORMS": "cpu",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cli_args = [
+        "generate",
+        "--model",
+        str(tiny_llama[0]),
+        "--method",
+        "pld",
+        "--raw",
+        "--json",
+        "--no-warmup",
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "--prompt",
+        "Hello! How are you today?",
+        "--prompt",
+        "def add(a, b):",
+    ]
+    base = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     base["XLA_FLAGS"] = xla_flags()
     main = subprocess.Popen(
-        [sys.executable, str(script), *cli_args], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-        env={**base, "XLA_FLAGS": xla_flags(8)})
+        [sys.executable, str(script), *cli_args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**base, "XLA_FLAGS": xla_flags(8)},
+    )
     port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "specjax.cli", *cli_args, "--tp", "2",
-         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base)
-        for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "specjax.cli",
+                *cli_args,
+                "--tp",
+                "2",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=base,
+        )
+        for i in range(2)
+    ]
     try:
         mp = [p.communicate(timeout=400) for p in procs]
         out, err = main.communicate(timeout=400)
@@ -200,7 +241,7 @@ def runs(tiny_llama, tmp_path_factory):
                 p.kill()
     assert main.returncode == 0, err[-3000:]
     line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), [(p.returncode, o, e) for p, (o, e) in zip(procs, mp)]
+    return json.loads(line[len("RESULT ") :]), [(p.returncode, o, e) for p, (o, e) in zip(procs, mp)]
 
 
 @pytest.mark.parametrize("mesh", ["tp4_dp1", "tp2_dp2"])
@@ -240,8 +281,7 @@ def test_the_server_scheduler_on_a_mesh_gives_the_one_device_answers(runs):
 
 def test_weights_and_pools_are_split(runs):
     shards = runs[0]["shards"]  # tp = 4
-    col = ["layers.0.wq", "layers.0.wk", "layers.0.wv", "layers.0.w_gate", "layers.0.w_up",
-           "eagle.wq"]
+    col = ["layers.0.wq", "layers.0.wk", "layers.0.wv", "layers.0.w_gate", "layers.0.w_up", "eagle.wq"]
     for name in col + ["embed"]:  # [out, in] (embed [vocab, D]): outputs split
         (n, d), parts = shards[name]
         assert len(parts) == 4 and all(p == [n // 4, d] for p in parts), name
@@ -263,8 +303,7 @@ def test_verify_step_reduces_after_row_parallel_products(runs):
 
 def test_bad_meshes_give_one_line_errors(runs):
     errors = runs[0]["errors"]
-    assert errors["too_many_devices"] == ("tp=4 x dp=4 needs 16 devices, but only 8 cpu "
-                                          "device(s) exist")
+    assert errors["too_many_devices"] == ("tp=4 x dp=4 needs 16 devices, but only 8 cpu device(s) exist")
     assert errors["kv_heads"] == "tp=8 does not divide the model's 4 KV heads"
 
 
@@ -273,8 +312,9 @@ def test_two_processes_form_one_mesh(runs):
     assert res["cli_rc"] == 0 and len(res["cli"]) == 2
     for i, (rc, _, err) in enumerate(mp):
         assert rc == 0, f"process {i}: {err[-3000:]}"
-    records = [[json.loads(l) for l in out.splitlines() if l.startswith("{")]
-               for _, out, _ in mp]  # (gloo logs its connections on stdout)
+    records = [
+        [json.loads(l) for l in out.splitlines() if l.startswith("{")] for _, out, _ in mp
+    ]  # (gloo logs its connections on stdout)
     assert [r["token_ids"] for r in records[0]] == res["cli"]
     assert records[1] == []  # only process 0 prints
 

@@ -20,24 +20,38 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specjax.kernels_pallas.tree_paged_attention_reference import gather_pages
-from specjax import (Engine, ModelConfig, PagedKVCache, SamplingConfig, causal_mask, forward,
-                     init_params)
+from specjax import Engine, ModelConfig, PagedKVCache, SamplingConfig, causal_mask, forward, init_params
 from specjax.cache import init_pages, pages_needed
 from specjax.draft_tree import DraftTree, ancestor_mask, chain, static_tree
 from specjax.generate import DecodeState, bucket, decode_loop, prefill
+from specjax.kernels_pallas.tree_paged_attention_reference import gather_pages
 from specjax.proposers import DraftModelProposer, PromptLookupProposer, self_draft_params
 from specjax.proposers.draft_model import self_draft_config
 from specjax.proposers.prompt_lookup import find_continuation
-from specjax.spec_decode import (SpecContext, SpecState, StatelessProposer, init_proposer,
-                                 spec_loop)
+from specjax.spec_decode import SpecContext, SpecState, StatelessProposer, init_proposer, spec_loop
 from specjax.verify import verify
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
 # A different, smaller random draft model with the target's vocabulary.
-DRAFT_CFG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
-                        num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=256)
+DRAFT_CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    max_position_embeddings=256,
+)
 V = CFG.vocab_size
 PAGE, NUM_PAGES = 4, 192
 N_NEW = 24
@@ -49,8 +63,7 @@ REPETITIVE = [32, 38, 32, 38, 32, 38]
 # EOS share compiled shapes.
 NO_EOS = (-1,)
 # Tree topology of the adversarial tree proposer (Medusa-style child-rank paths).
-TREE_PATHS = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
-              (1, 0, 0), (0, 0, 0, 0))
+TREE_PATHS = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0), (0, 0, 0, 0))
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +125,10 @@ def _pld_drafts(tokens, k, max_ngram):
     for n in range(max_ngram, 0, -1):
         if length < n:
             continue
-        suffix = tokens[length - n:]
+        suffix = tokens[length - n :]
         for j in range(length - n):
-            if tokens[j:j + n] == suffix:
-                return tokens[j + n:j + n + k]
+            if tokens[j : j + n] == suffix:
+                return tokens[j + n : j + n + k]
     return []
 
 
@@ -146,15 +159,15 @@ def test_prompt_lookup_greedy_equals_vanilla(engine, vanilla_all):
 
 def _draft(kind, target):
     if kind == "self":  # the target's first layer with its norm and head
-        return (DraftModelProposer(self_draft_config(CFG, 1), max_draft_len=3),
-                self_draft_params(target, 1))
+        return (DraftModelProposer(self_draft_config(CFG, 1), max_draft_len=3), self_draft_params(target, 1))
     if kind == "self-logits":
-        return (DraftModelProposer(self_draft_config(CFG, 1), max_draft_len=3, use_logits=True),
-                self_draft_params(target, 1))
+        return (
+            DraftModelProposer(self_draft_config(CFG, 1), max_draft_len=3, use_logits=True),
+            self_draft_params(target, 1),
+        )
     if kind == "full":  # the target itself: every draft is right
         return DraftModelProposer(CFG, max_draft_len=3), target
-    return (DraftModelProposer(DRAFT_CFG, max_draft_len=3),
-            init_params(DRAFT_CFG, jax.random.PRNGKey(7), scale=0.5))
+    return (DraftModelProposer(DRAFT_CFG, max_draft_len=3), init_params(DRAFT_CFG, jax.random.PRNGKey(7), scale=0.5))
 
 
 @pytest.mark.parametrize("kind", ["self", "self-logits", "random-small"])
@@ -164,8 +177,7 @@ def test_draft_model_greedy_equals_vanilla(engine, target, vanilla, kind):
         prompts, want = PROMPTS[2:], vanilla[2:]
     else:
         prompts, want = PROMPTS, vanilla
-    out = engine.generate(prompts, N_NEW, eos_token_ids=NO_EOS, proposer=proposer,
-                          proposer_params=params)
+    out = engine.generate(prompts, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=params)
     _check_equal(out, want)
     # The drafts were the draft model's greedy continuations (its cache stayed in sync): a step
     # at length L accepts as many drafts as the draft's argmax agrees with the target's output
@@ -174,7 +186,7 @@ def test_draft_model_greedy_equals_vanilla(engine, target, vanilla, kind):
     seqs = [p + full for p, full in zip(prompts, want)]
     agree = _draft_agreement(params, proposer.config, seqs)
     for i, (p, a) in enumerate(zip(prompts, agree)):
-        expect = _simulate(len(p), lambda n: _leading(a[n - 1:n - 1 + k], [True] * k), k)
+        expect = _simulate(len(p), lambda n: _leading(a[n - 1 : n - 1 + k], [True] * k), k)
         assert (out.steps[i], out.accepted_hist[i]) == expect, i
     if kind == "self":  # not vacuous: the one-layer self-draft agrees with the target at times
         assert sum(out.steps) < 3 * N_NEW
@@ -183,8 +195,7 @@ def test_draft_model_greedy_equals_vanilla(engine, target, vanilla, kind):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _greedy_preds(params, cfg, tokens, cache):
     b, w = tokens.shape
-    out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(w), (b, w)), cache,
-                  causal_mask(b, w))
+    out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(w), (b, w)), cache, causal_mask(b, w))
     return jnp.argmax(out.logits, -1)
 
 
@@ -193,7 +204,7 @@ def _draft_agreement(params, cfg, seqs):
     b, w = len(seqs), max(len(s) for s in seqs)
     arr = np.zeros((b, w), np.int32)
     for i, s in enumerate(seqs):
-        arr[i, :len(s)] = s
+        arr[i, : len(s)] = s
     per_seq = -(-w // PAGE)
     k_pages, v_pages = init_pages(cfg, b * per_seq, PAGE)
     table = jnp.arange(b * per_seq, dtype=jnp.int32).reshape(b, per_seq)
@@ -206,8 +217,7 @@ def test_full_self_draft_accepts_everything(engine, target, vanilla):
     """A draft identical to the target is always right: K + 1 tokens per pass."""
     proposer, params = _draft("full", target)
     k = proposer.max_draft_len
-    out = engine.generate(PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=proposer,
-                          proposer_params=params)
+    out = engine.generate(PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=params)
     _check_equal(out, vanilla)
     assert out.steps == [math.ceil(N_NEW / (k + 1))] * 3
     assert out.acceptance_rates() == [1.0] * k
@@ -219,14 +229,16 @@ def test_eos_stops_where_vanilla_stops(engine, target, vanilla):
     want = []
     for full in vanilla:
         head = full[:N_NEW]
-        want.append(head[:head.index(eos) + 1] if eos in head else head)
+        want.append(head[: head.index(eos) + 1] if eos in head else head)
     assert len(want[0]) <= 10
-    cases = [(PromptLookupProposer(prompt_lookup_num_tokens=3, max_matching_ngram_size=3), None),
-             _draft("self", target), _draft("full", target),
-             (OracleProposer(tree=True), _oracle_params(vanilla))]
+    cases = [
+        (PromptLookupProposer(prompt_lookup_num_tokens=3, max_matching_ngram_size=3), None),
+        _draft("self", target),
+        _draft("full", target),
+        (OracleProposer(tree=True), _oracle_params(vanilla)),
+    ]
     for proposer, params in cases:
-        out = engine.generate(PROMPTS, N_NEW, eos_token_ids=(eos,), proposer=proposer,
-                              proposer_params=params)
+        out = engine.generate(PROMPTS, N_NEW, eos_token_ids=(eos,), proposer=proposer, proposer_params=params)
         assert out.token_ids == want, proposer
         assert out.finished_by_eos == [w[-1] == eos for w in want]
 
@@ -276,14 +288,14 @@ class OracleProposer(StatelessProposer):
         b = ctx.tokens.shape[0]
         rows = params["rows"]
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
-        k_a, k_b, k_c, k_d = (jax.vmap(lambda kk: jax.random.split(kk, 4))(keys)[:, i]
-                              for i in range(4))
+        k_a, k_b, k_c, k_d = (jax.vmap(lambda kk: jax.random.split(kk, 4))(keys)[:, i] for i in range(4))
         if not self.tree:
             k = self.max_draft_len
             right = self._right(rows, ctx, jnp.arange(1, k + 1)[None, :])
             wrong = (right + 1 + self._randint(k_a, k, self.vocab - 1)) % self.vocab
-            drafts = jnp.select([params["mode"] == 0, params["mode"] == 1],
-                                [right, wrong], self._randint(k_b, k, self.vocab))
+            drafts = jnp.select(
+                [params["mode"] == 0, params["mode"] == 1], [right, wrong], self._randint(k_b, k, self.vocab)
+            )
             return chain(pending, drafts, jnp.full((b,), k, jnp.int32)), state
 
         parent_np, depth_np, rank_np = static_tree(TREE_PATHS)
@@ -300,9 +312,12 @@ class OracleProposer(StatelessProposer):
         valid = jnp.ones((b, t), bool)
         for i in range(1, t):  # an invalid node takes its subtree with it
             valid = valid.at[:, i].set(valid[:, parent_np[i]] & ~drop[:, i])
-        tree = DraftTree(tokens=jnp.where(valid, tokens, 0).astype(jnp.int32),
-                         parent=jnp.broadcast_to(jnp.asarray(parent_np), (b, t)),
-                         depth=jnp.broadcast_to(jnp.asarray(depth_np), (b, t)), valid=valid)
+        tree = DraftTree(
+            tokens=jnp.where(valid, tokens, 0).astype(jnp.int32),
+            parent=jnp.broadcast_to(jnp.asarray(parent_np), (b, t)),
+            depth=jnp.broadcast_to(jnp.asarray(depth_np), (b, t)),
+            valid=valid,
+        )
         return tree, state
 
 
@@ -310,7 +325,7 @@ def _oracle_params(vanilla_ids, mode="right"):
     width = max(len(p) for p in PROMPTS) + len(vanilla_ids[0])
     rows = np.zeros((len(PROMPTS), width), np.int32)
     for i, (p, o) in enumerate(zip(PROMPTS, vanilla_ids)):
-        rows[i, :len(p) + len(o)] = p + o
+        rows[i, : len(p) + len(o)] = p + o
     return {"rows": jnp.asarray(rows), "mode": jnp.int32(MODES.get(mode, 0))}
 
 
@@ -318,8 +333,9 @@ def _oracle_params(vanilla_ids, mode="right"):
 def test_adversarial_drafts_keep_output(engine, vanilla, mode):
     proposer = OracleProposer(tree=mode == "tree")
     k = proposer.max_draft_len
-    out = engine.generate(PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=proposer,
-                          proposer_params=_oracle_params(vanilla, mode))
+    out = engine.generate(
+        PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=_oracle_params(vanilla, mode)
+    )
     _check_equal(out, vanilla)
     hist = np.asarray(out.accepted_hist)
     assert (hist.sum(axis=1) == out.steps).all()
@@ -337,6 +353,7 @@ def test_adversarial_drafts_keep_output(engine, vanilla, mode):
 # ---------------------------------------------------------------------------------------------
 # 3. The target cache after a speculative run holds exactly vanilla's K/V
 
+
 def _direct_run(params, prompts, max_new, proposer=None, proposer_params=None):
     """Prefill + decode_loop/spec_loop (as Engine._run drives them) on our own NaN-filled pools
     with a scrambled page table; returns (tokens, lengths, cache).
@@ -348,37 +365,43 @@ def _direct_run(params, prompts, max_new, proposer=None, proposer_params=None):
     lens = [len(p) for p in prompts]
     tree_size = OracleProposer(tree=True).tree_size
     per_seq = pages_needed(bucket(max(lens) + max_new + tree_size), PAGE)
-    table = np.random.default_rng(1).permutation(NUM_PAGES)[:b * per_seq].reshape(b, per_seq)
+    table = np.random.default_rng(1).permutation(NUM_PAGES)[: b * per_seq].reshape(b, per_seq)
     k_pages, v_pages = init_pages(CFG, NUM_PAGES, PAGE)
     k_pages = [jnp.full_like(x, jnp.nan) for x in k_pages]
     v_pages = [jnp.full_like(x, jnp.nan) for x in v_pages]
-    cache = PagedKVCache(k_pages, v_pages, jnp.asarray(table, jnp.int32),
-                         jnp.zeros((b,), jnp.int32))
+    cache = PagedKVCache(k_pages, v_pages, jnp.asarray(table, jnp.int32), jnp.zeros((b,), jnp.int32))
     chunk = np.zeros((b, bucket(max(lens) - 1)), np.int32)
     for i, p in enumerate(prompts):
-        chunk[i, :len(p) - 1] = p[:-1]
+        chunk[i, : len(p) - 1] = p[:-1]
     lengths = jnp.asarray(lens, jnp.int32)
     cache, features, _ = prefill(params, CFG, cache, jnp.asarray(chunk), lengths - 1)
     buf = np.zeros((b, per_seq * PAGE + 1), np.int32)
     for i, p in enumerate(prompts):
-        buf[i, :len(p)] = p
+        buf[i, : len(p)] = p
     tokens = jnp.asarray(buf)
     keys = jnp.stack([jax.random.PRNGKey(i) for i in range(b)])
-    common = dict(tokens=tokens, lengths=lengths, prompt_lengths=lengths + 0,
-                  done=jnp.zeros((b,), bool), steps=jnp.zeros((b,), jnp.int32), keys=keys,
-                  cache=cache)
+    common = dict(
+        tokens=tokens,
+        lengths=lengths,
+        prompt_lengths=lengths + 0,
+        done=jnp.zeros((b,), bool),
+        steps=jnp.zeros((b,), jnp.int32),
+        keys=keys,
+        cache=cache,
+    )
     eos = jnp.asarray(NO_EOS, jnp.int32)
     if proposer is None:
-        state = decode_loop(params, CFG, SamplingConfig(), DecodeState(**common),
-                            jnp.int32(max_new), eos)
+        state = decode_loop(params, CFG, SamplingConfig(), DecodeState(**common), jnp.int32(max_new), eos)
     else:
         ctx = SpecContext(tokens, lengths, cache.block_tables, features)
-        pstate = init_proposer(proposer, proposer_params, None, ctx, jnp.asarray(chunk),
-                               lengths - 1)
-        state = SpecState(**common, features=features, proposer_state=pstate,
-                          accepted_hist=jnp.zeros((b, proposer.tree_size), jnp.int32))
-        state = spec_loop(params, CFG, proposer, proposer_params, SamplingConfig(), state,
-                          jnp.int32(max_new), eos)
+        pstate = init_proposer(proposer, proposer_params, None, ctx, jnp.asarray(chunk), lengths - 1)
+        state = SpecState(
+            **common,
+            features=features,
+            proposer_state=pstate,
+            accepted_hist=jnp.zeros((b, proposer.tree_size), jnp.int32),
+        )
+        state = spec_loop(params, CFG, proposer, proposer_params, SamplingConfig(), state, jnp.int32(max_new), eos)
     return np.asarray(state.tokens), np.asarray(state.lengths), state.cache
 
 
@@ -389,19 +412,18 @@ def test_cache_after_tree_commits_equals_vanilla(target, vanilla):
     np.testing.assert_array_equal(spec_len, van_len)
     for i, n in enumerate(van_len):
         np.testing.assert_array_equal(spec_tok[i, :n], van_tok[i, :n])
-        assert spec_tok[i, len(PROMPTS[i]):n].tolist() == vanilla[i][:N_NEW]
+        assert spec_tok[i, len(PROMPTS[i]) : n].tolist() == vanilla[i][:N_NEW]
     assert (np.asarray(spec_cache.lengths) >= van_len - 1).all()
     for layer in range(CFG.num_layers):
         for name in ("k_pages", "v_pages"):
-            want = np.asarray(gather_pages(getattr(van_cache, name)[layer],
-                                           van_cache.block_tables))
-            got = np.asarray(gather_pages(getattr(spec_cache, name)[layer],
-                                          spec_cache.block_tables))
+            want = np.asarray(gather_pages(getattr(van_cache, name)[layer], van_cache.block_tables))
+            got = np.asarray(gather_pages(getattr(spec_cache, name)[layer], spec_cache.block_tables))
             for i, n in enumerate(van_len):
-                w, g = want[:, i, :n - 1], got[:, i, :n - 1]  # [KVH, slots, D]
+                w, g = want[:, i, : n - 1], got[:, i, : n - 1]  # [KVH, slots, D]
                 assert np.isfinite(w).all() and np.isfinite(g).all()
-                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max(),
-                                           err_msg=f"layer {layer} {name} seq {i}")
+                np.testing.assert_allclose(
+                    g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max(), err_msg=f"layer {layer} {name} seq {i}"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +444,7 @@ def verify_setup(target):
     cache = PagedKVCache(k_pages, v_pages, table, jnp.zeros((b,), jnp.int32))
     chunk = np.zeros((b, 16), np.int32)
     for i, p in enumerate(VERIFY_PROMPTS):
-        chunk[i, :len(p) - 1] = p[:-1]
+        chunk[i, : len(p) - 1] = p[:-1]
     n = jnp.asarray([len(p) - 1 for p in VERIFY_PROMPTS], jnp.int32)
     cache, _, _ = prefill(target, CFG, cache, jnp.asarray(chunk), n)
     run_verify = jax.jit(lambda tree: verify(target, CFG, cache, tree).logits)
@@ -432,14 +454,14 @@ def verify_setup(target):
     rows = b * T_TREE
     ref_pages = -(-width // PAGE)
     rk, rv = init_pages(CFG, rows * ref_pages, PAGE)
-    ref_cache = PagedKVCache(rk, rv, jnp.arange(rows * ref_pages, dtype=jnp.int32).reshape(
-        rows, ref_pages), jnp.zeros((rows,), jnp.int32))
+    ref_cache = PagedKVCache(
+        rk, rv, jnp.arange(rows * ref_pages, dtype=jnp.int32).reshape(rows, ref_pages), jnp.zeros((rows,), jnp.int32)
+    )
 
     @jax.jit
     def run_chains(tokens, at):
         pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-        out = forward(target, CFG, tokens, pos, ref_cache, causal_mask(rows, width),
-                      logits_at=at[:, None])
+        out = forward(target, CFG, tokens, pos, ref_cache, causal_mask(rows, width), logits_at=at[:, None])
         return out.logits[:, 0]
 
     return run_verify, run_chains, width
@@ -471,8 +493,9 @@ def test_tree_verify_equals_per_path_chains(verify_setup, batch):
     depth = np.zeros_like(parent)
     for i in range(1, T_TREE):
         depth[:, i] = depth[np.arange(b), parent[:, i]] + 1
-    tree = DraftTree(tokens=jnp.asarray(tokens), parent=jnp.asarray(parent),
-                     depth=jnp.asarray(depth), valid=jnp.asarray(valid))
+    tree = DraftTree(
+        tokens=jnp.asarray(tokens), parent=jnp.asarray(parent), depth=jnp.asarray(depth), valid=jnp.asarray(valid)
+    )
     got = np.asarray(run_verify(tree))
     chains = np.zeros((b * T_TREE, width), np.int32)
     at = np.zeros((b * T_TREE,), np.int32)
@@ -483,7 +506,7 @@ def test_tree_verify_equals_per_path_chains(verify_setup, batch):
                 path.append(int(tokens[s, j]))
                 j = int(parent[s, j])
             seq = prompt[:-1] + path[::-1]  # the root (node 0) is the pending token
-            chains[s * T_TREE + i, :len(seq)] = seq
+            chains[s * T_TREE + i, : len(seq)] = seq
             at[s * T_TREE + i] = len(seq) - 1
     want = np.asarray(run_chains(jnp.asarray(chains), jnp.asarray(at))).reshape(b, T_TREE, V)
     assert np.isfinite(got).all()
@@ -503,8 +526,12 @@ def _two_prefilled_trees(target, valid, cfg=CFG):
     depth = np.zeros_like(parent)
     for i in range(1, parent.shape[1]):
         depth[:, i] = depth[np.arange(b), parent[:, i]] + 1
-    tree = DraftTree(tokens=jnp.asarray(np.arange(14).reshape(b, 7) % cfg.vocab_size, jnp.int32),
-                     parent=jnp.asarray(parent), depth=jnp.asarray(depth), valid=jnp.asarray(valid))
+    tree = DraftTree(
+        tokens=jnp.asarray(np.arange(14).reshape(b, 7) % cfg.vocab_size, jnp.int32),
+        parent=jnp.asarray(parent),
+        depth=jnp.asarray(depth),
+        valid=jnp.asarray(valid),
+    )
     return cache, tree
 
 
@@ -526,27 +553,36 @@ def check_deferred_writes(target, cfg, tol=1e-5, compiled=True):
 
     run = jax.jit(lambda cache, tree: verify_pruned(target, cfg, cache, tree))
     got = run(cache, tree)
-    want = jax.jit(lambda cache, tree: verify_pruned(target, cfg, cache, tree, defer_writes=False))(
-        cache, tree)
+    want = jax.jit(lambda cache, tree: verify_pruned(target, cfg, cache, tree, defer_writes=False))(cache, tree)
     # Same arithmetic, fused differently: equal up to float32 rounding.
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=tol, atol=tol)
     for a, w in zip(got[2].k_pages + got[2].v_pages, want[2].k_pages + want[2].v_pages):
         # (the pool's last page is the write sink: unread, its contents differ)
-        np.testing.assert_allclose(np.asarray(a)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5, atol=1e-5)
 
     proposer = PromptLookupProposer(prompt_lookup_num_tokens=6)
-    state = SpecState(tokens=jnp.zeros((b, 32), jnp.int32), lengths=jnp.asarray([8, 4]),
-                      prompt_lengths=jnp.asarray([8, 4]), done=jnp.zeros((b,), bool),
-                      steps=jnp.zeros((b,), jnp.int32), keys=jnp.zeros((b, 2), jnp.uint32),
-                      cache=cache, features=jnp.zeros((b, cfg.hidden_size)),
-                      proposer_state=None, accepted_hist=jnp.zeros((b, 7), jnp.int32))
+    state = SpecState(
+        tokens=jnp.zeros((b, 32), jnp.int32),
+        lengths=jnp.asarray([8, 4]),
+        prompt_lengths=jnp.asarray([8, 4]),
+        done=jnp.zeros((b,), bool),
+        steps=jnp.zeros((b,), jnp.int32),
+        keys=jnp.zeros((b, 2), jnp.uint32),
+        cache=cache,
+        features=jnp.zeros((b, cfg.hidden_size)),
+        proposer_state=None,
+        accepted_hist=jnp.zeros((b, 7), jnp.int32),
+    )
     args = (target, cfg, proposer, None, SamplingConfig(), state, jnp.int32(4), jnp.asarray([-1], jnp.int32))
     if not compiled:
         pool_shapes = {tuple(p.shape) for p in cache.k_pages}
-        returned = [tuple(v.aval.shape) for e in _all_eqns(spec_loop.trace(*args).jaxpr.jaxpr)
-                    if e.primitive.name == "cond" for v in e.outvars]
+        returned = [
+            tuple(v.aval.shape)
+            for e in _all_eqns(spec_loop.trace(*args).jaxpr.jaxpr)
+            if e.primitive.name == "cond"
+            for v in e.outvars
+        ]
         assert not pool_shapes & set(returned), "a cond branch returns a KV pool"
         return
     hlo = spec_loop.lower(*args).compile().as_text()
@@ -618,19 +654,31 @@ def test_padded_verify_equals_unpadded(target, monkeypatch, backend):
             assert [verify_mod.padded_width(t) for t in (5, 7, 9, 15)] == [5, 7, 9, 15]
             assert verify_mod.verify_widths(10, (5, 12)) == (1, 4, 5, 8, 10)
     monkeypatch.setattr(verify_mod, "kernel_in_use", lambda: False)  # XLA's products pad
-    assert [verify_mod.padded_width(t) for t in (1, 4, 5, 7, 8, 9, 15, 16, 20, 64)] == \
-        [1, 4, 8, 8, 8, 16, 16, 16, 20, 64]
+    assert [verify_mod.padded_width(t) for t in (1, 4, 5, 7, 8, 9, 15, 16, 20, 64)] == [
+        1,
+        4,
+        8,
+        8,
+        8,
+        16,
+        16,
+        16,
+        20,
+        64,
+    ]
     assert verify_mod.verify_widths(7) == (1, 4, 8) and verify_mod.verify_widths(9) == (1, 4, 8, 16)
     assert verify_mod.verify_widths(10, (5,)) == (1, 4, 8, 16)  # a likely width is padded too
     cache, tree = _two_prefilled_trees(target, np.ones((2, 7), bool))
-    logits, hidden, got = jax.jit(lambda cache, tree: verify_mod.verify_pruned(
-        target, CFG, cache, tree, defer_writes=backend == "xla"))(cache, tree)
+    logits, hidden, got = jax.jit(
+        lambda cache, tree: verify_mod.verify_pruned(target, CFG, cache, tree, defer_writes=backend == "xla")
+    )(cache, tree)
     want = jax.jit(lambda cache, tree: verify(target, CFG, cache, tree))(cache, tree)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want.logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
     for a, w in zip(got.k_pages + got.v_pages, want.cache.k_pages + want.cache.v_pages):
-        np.testing.assert_allclose(np.asarray(a)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5,
-                                   atol=1e-5)  # (the last page is the write sink)
+        np.testing.assert_allclose(
+            np.asarray(a)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5, atol=1e-5
+        )  # (the last page is the write sink)
 
 
 def test_verify_at_a_likely_width_equals_the_whole_tree(target, monkeypatch):
@@ -642,13 +690,12 @@ def test_verify_at_a_likely_width_equals_the_whole_tree(target, monkeypatch):
     monkeypatch.setattr(verify_mod, "kernel_in_use", lambda: True)
     valid = np.array([[1] * 5 + [0] * 2] * 2, bool)
     cache, tree = _two_prefilled_trees(target, valid)
-    logits, hidden, _ = jax.jit(lambda cache, tree: verify_mod.verify_pruned(
-        target, CFG, cache, tree, likely_widths=(5,)))(cache, tree)
+    logits, hidden, _ = jax.jit(
+        lambda cache, tree: verify_mod.verify_pruned(target, CFG, cache, tree, likely_widths=(5,))
+    )(cache, tree)
     want = jax.jit(lambda cache, tree: verify(target, CFG, cache, tree))(cache, tree)
-    np.testing.assert_allclose(np.asarray(logits)[:, :5], np.asarray(want.logits)[:, :5],
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(hidden)[:, :5], np.asarray(want.hidden)[:, :5],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits)[:, :5], np.asarray(want.logits)[:, :5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(hidden)[:, :5], np.asarray(want.hidden)[:, :5], rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(logits)[:, 5:])  # nodes past the width come back as zeros
 
 
@@ -667,11 +714,14 @@ def test_ancestor_mask_hand_tree():
     parent = np.array([[-1, 0, 0, 1, 1, 2, 3, 0]], np.int32)
     depth = np.array([[0, 1, 1, 2, 2, 2, 3, 1]], np.int32)
     valid = np.array([[True] * 7 + [False]])
-    tree = DraftTree(tokens=jnp.arange(8, dtype=jnp.int32)[None], parent=jnp.asarray(parent),
-                     depth=jnp.asarray(depth), valid=jnp.asarray(valid))
+    tree = DraftTree(
+        tokens=jnp.arange(8, dtype=jnp.int32)[None],
+        parent=jnp.asarray(parent),
+        depth=jnp.asarray(depth),
+        valid=jnp.asarray(valid),
+    )
     want = np.zeros((8, 8), bool)
-    ancestors = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5],
-                 6: [0, 1, 3, 6], 7: [7]}
+    ancestors = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5], 6: [0, 1, 3, 6], 7: [7]}
     for i, js in ancestors.items():
         want[i, js] = True
     np.testing.assert_array_equal(np.asarray(ancestor_mask(tree))[0], want)
@@ -702,7 +752,7 @@ def _find(rows, lengths, ngram, num):
     s = max(len(r) for r in rows)
     arr = np.zeros((len(rows), s), np.int32)
     for i, r in enumerate(rows):
-        arr[i, :len(r)] = r
+        arr[i, : len(r)] = r
     start, count = find_continuation(jnp.asarray(arr), jnp.asarray(lengths, jnp.int32), ngram, num)
     return np.asarray(start).tolist(), np.asarray(count).tolist()
 
@@ -733,10 +783,7 @@ def test_prompt_lookup_falls_back_to_shorter_ngrams():
     rows[0, :7] = [7, 1, 2, 9, 3, 1, 2]  # no "3 1 2" earlier; "1 2" at 1 -> 9 3 1
     rows[1, :6] = [5, 8, 2, 4, 6, 8]  # only the 1-gram "8" -> 2 4 6
     rows[2, :4] = [1, 2, 3, 4]  # nothing
-    ctx = SpecContext(jnp.asarray(rows), jnp.asarray([7, 6, 4], jnp.int32),
-                      jnp.zeros((3, 1), jnp.int32))
+    ctx = SpecContext(jnp.asarray(rows), jnp.asarray([7, 6, 4], jnp.int32), jnp.zeros((3, 1), jnp.int32))
     tree, _ = pld.propose(None, (), ctx, None, SamplingConfig())
-    np.testing.assert_array_equal(np.asarray(tree.tokens),
-                                  [[2, 9, 3, 1], [8, 2, 4, 6], [4, 0, 0, 0]])
-    np.testing.assert_array_equal(np.asarray(tree.valid),
-                                  [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(tree.tokens), [[2, 9, 3, 1], [8, 2, 4, 6], [4, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(tree.valid), [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]])

@@ -10,11 +10,9 @@ import pytest
 from specjax.generate import Engine
 from specjax.loading import load_model
 from specjax.sampling import SamplingConfig
-from specjax.training.synthesize import (SynthesisConfig, SynthesisError, synthesize_prompts,
-                                 user_turn_prefix)
+from specjax.training.synthesize import SynthesisConfig, SynthesisError, synthesize_prompts, user_turn_prefix
 
-CFG = SynthesisConfig(temperature=1.0, top_p=1.0, max_tokens=24, min_tokens=2, seed=7,
-                      batch_size=4)
+CFG = SynthesisConfig(temperature=1.0, top_p=1.0, max_tokens=24, min_tokens=2, seed=7, batch_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +23,9 @@ def model(tiny_llama):
 def test_user_turn_prefix_ends_where_the_user_text_begins(model):
     tok = model.tokenizer
     prefix = user_turn_prefix(tok)
-    rendered = tok.apply_chat_template([{"role": "user", "content": "hello there"}],
-                                       tokenize=False)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False)
     head = tok.decode(prefix)
-    assert rendered.startswith(head) and rendered[len(head):].startswith("hello there")
+    assert rendered.startswith(head) and rendered[len(head) :].startswith("hello there")
     assert prefix == list(tok(head, add_special_tokens=False).input_ids)
 
 
@@ -37,9 +34,13 @@ def expected_requests(model, attempts: int) -> list[str]:
     tok = model.tokenizer
     eos = list(model.config.eos_token_ids)
     engine = Engine(model.params, model.config, num_pages=4 * attempts + 8, page_size=16)
-    out = engine.generate([user_turn_prefix(tok)] * attempts, CFG.max_tokens,
-                          sampling=SamplingConfig(CFG.temperature, 0, CFG.top_p),
-                          seeds=[CFG.seed + k for k in range(attempts)], eos_token_ids=eos)
+    out = engine.generate(
+        [user_turn_prefix(tok)] * attempts,
+        CFG.max_tokens,
+        sampling=SamplingConfig(CFG.temperature, 0, CFG.top_p),
+        seeds=[CFG.seed + k for k in range(attempts)],
+        eos_token_ids=eos,
+    )
     kept, seen = [], set()
     for ids, fin in zip(out.token_ids, out.finished_by_eos):
         ids = [t for t in ids if t not in eos]
@@ -56,8 +57,7 @@ def test_kept_requests_and_resume(model, tmp_path):
     want = expected_requests(model, attempts)
     assert 2 <= len(want) < attempts  # the tiny model both ends turns and runs past the limit
     n = len(want) + 5  # more than the attempts can give: stops at max_attempts
-    straight = synthesize_prompts(model, n, tmp_path / "a.jsonl", CFG, max_attempts=attempts,
-                                  progress=False)
+    straight = synthesize_prompts(model, n, tmp_path / "a.jsonl", CFG, max_attempts=attempts, progress=False)
     assert [r["turns"][0] for r in straight] == want
     rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert rows == straight
@@ -95,12 +95,32 @@ def test_cli(tiny_llama, tmp_path, capsys):
     from specjax.cli import main
 
     out = tmp_path / "p.jsonl"
-    assert main(["synthesize-prompts", "--base", str(tiny_llama[0]), "--n", "2", "--out", str(out),
-                 "--max-tokens", "24", "--min-tokens", "2", "--max-attempts", "32",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "synthesize-prompts",
+                "--base",
+                str(tiny_llama[0]),
+                "--n",
+                "2",
+                "--out",
+                str(out),
+                "--max-tokens",
+                "24",
+                "--min-tokens",
+                "2",
+                "--max-attempts",
+                "32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert f"{out}:" in capsys.readouterr().err
     from specjax.training.data import read_prompt_file
+
     assert all(r.category == "chat" for r in read_prompt_file(out))
-    assert main(["synthesize-prompts", "--base", str(tiny_llama[0]), "--n", "2",
-                 "--out", str(out), "--top-p", "0"]) == 1
+    assert (
+        main(["synthesize-prompts", "--base", str(tiny_llama[0]), "--n", "2", "--out", str(out), "--top-p", "0"]) == 1
+    )
     assert "top_p must be in (0, 1]" in capsys.readouterr().err

@@ -8,10 +8,14 @@ does not pay for optax and orbax.
 import importlib
 
 _EXPORTS = {
-    "DataError": "specjax.training.data", "PromptRecord": "specjax.training.data",
-    "read_prompt_file": "specjax.training.data", "METHODS": "specjax.training.methods",
-    "make_method": "specjax.training.methods", "TrainConfig": "specjax.training.train",
-    "TrainError": "specjax.training.train", "run": "specjax.training.train",
+    "DataError": "specjax.training.data",
+    "PromptRecord": "specjax.training.data",
+    "read_prompt_file": "specjax.training.data",
+    "METHODS": "specjax.training.trainers",
+    "make_method": "specjax.training.trainers",
+    "TrainConfig": "specjax.training.train",
+    "TrainError": "specjax.training.train",
+    "run": "specjax.training.train",
 }
 
 __all__ = sorted(_EXPORTS)

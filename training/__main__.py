@@ -1,4 +1,5 @@
-"""`python -m specjax.training ...`: the same as `specjax train ...` (same parser, same one-line errors)."""
+"""`python -m specjax.training ...`: the same as `specjax train ...` (same parser, same one-line
+errors)."""
 
 import sys
 

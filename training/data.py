@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from specjax import prompts
-from specjax.prompts import PromptRecord  # noqa: F401  (part of this module's API)
+from specjax.prompts import PromptRecord
 
 DISTILL_FILE = "distill.jsonl"
 DISTILL_META = "distill.json"
@@ -91,7 +91,7 @@ def length_sorted_windows(items: list, window: int) -> list:
     """
     out = []
     for s in range(0, len(items), window):
-        out.extend(sorted(items[s:s + window], key=lambda t: len(t[1])))
+        out.extend(sorted(items[s : s + window], key=lambda t: len(t[1])))
     return out
 
 
@@ -138,8 +138,7 @@ def _check_meta(folder: Path, meta: dict) -> None:
         diff = [k for k in meta if k in old and old[k] != meta[k]]
         if diff:
             k = diff[0]
-            raise DataError(f"data folder {folder} was made with {k}={old[k]!r}, not {meta[k]!r}: "
-                            "use another folder")
+            raise DataError(f"data folder {folder} was made with {k}={old[k]!r}, not {meta[k]!r}: use another folder")
     else:
         folder.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(meta, indent=2))
@@ -153,9 +152,16 @@ def end_of_turn_ids(model) -> list[int]:
     return sorted(eos)
 
 
-def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], folder,
-            cfg: DistillConfig = DistillConfig(), *, max_prompt_tokens: int = 512,
-            progress: bool = True) -> list[dict]:
+def distill(
+    model,
+    records: Sequence[PromptRecord],
+    indices: Sequence[int],
+    folder,
+    cfg: DistillConfig = DistillConfig(),
+    *,
+    max_prompt_tokens: int = 512,
+    progress: bool = True,
+) -> list[dict]:
     """The base model's answers to records[indices], resumable; returns them in `indices` order.
 
     Each line of folder/distill.jsonl: {"index", "id", "category", "prompt_ids", "answer_ids",
@@ -169,8 +175,12 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
     from specjax.sampling import SamplingConfig
 
     folder = Path(folder)
-    meta = {"base_model": str(model.path), "vocab_size": model.config.vocab_size,
-            "max_prompt_tokens": max_prompt_tokens, **dataclasses.asdict(cfg)}
+    meta = {
+        "base_model": str(model.path),
+        "vocab_size": model.config.vocab_size,
+        "max_prompt_tokens": max_prompt_tokens,
+        **dataclasses.asdict(cfg),
+    }
     meta.pop("batch_size")
     _check_meta(folder, meta)
     out_path = folder / DISTILL_FILE
@@ -184,8 +194,14 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
             rec = records[i]
             ids = encode_record(tok, rec)
             if rec.is_text:  # nothing to answer: the text is the training sequence
-                row = {"index": i, "id": rec.id, "category": rec.category, "prompt_ids": [],
-                       "answer_ids": ids, "finished": True}
+                row = {
+                    "index": i,
+                    "id": rec.id,
+                    "category": rec.category,
+                    "prompt_ids": [],
+                    "answer_ids": ids,
+                    "finished": True,
+                }
                 f.write(json.dumps(row) + "\n")
                 done[i] = row
             else:
@@ -197,19 +213,35 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
         per_seq = -(-bucket(max(len(p) for _, p in todo) + cfg.max_new_tokens + 1) // 16)
         engine = Engine(model.params, model.config, num_pages=2 * bs * per_seq + 8, page_size=16)
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
-        bar = tqdm(total=len(indices), initial=len(indices) - len(todo), disable=not progress,
-                   desc="distill", unit="prompt", dynamic_ncols=True)
+        bar = tqdm(
+            total=len(indices),
+            initial=len(indices) - len(todo),
+            disable=not progress,
+            desc="distill",
+            unit="prompt",
+            dynamic_ncols=True,
+        )
         t0, new_tokens = time.perf_counter(), 0
         with open(out_path, "a", encoding="utf-8") as f:
             # continuous batching: a slot whose answer ended takes the next prompt at once
             answers = engine.generate_continuous(
-                [p for _, p in todo], cfg.max_new_tokens, slots=bs, sampling=sampling,
-                seeds=[cfg.seed + i for i, _ in todo], eos_token_ids=eos)
+                [p for _, p in todo],
+                cfg.max_new_tokens,
+                slots=bs,
+                sampling=sampling,
+                seeds=[cfg.seed + i for i, _ in todo],
+                eos_token_ids=eos,
+            )
             for n, out in enumerate(answers, 1):
                 i, p = todo[out.index]
-                row = {"index": i, "id": records[i].id, "category": records[i].category,
-                       "prompt_ids": p, "answer_ids": out.token_ids,
-                       "finished": out.finished_by_eos}
+                row = {
+                    "index": i,
+                    "id": records[i].id,
+                    "category": records[i].category,
+                    "prompt_ids": p,
+                    "answer_ids": out.token_ids,
+                    "finished": out.finished_by_eos,
+                }
                 f.write(json.dumps(row) + "\n")
                 done[i] = row
                 if n % bs == 0 or n == len(todo):
@@ -217,8 +249,7 @@ def distill(model, records: Sequence[PromptRecord], indices: Sequence[int], fold
                     os.fsync(f.fileno())
                 new_tokens += len(out.token_ids)
                 bar.update(1)
-                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}",
-                                refresh=False)
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}", refresh=False)
         bar.close()
     return [done[i] for i in indices]
 
@@ -229,6 +260,6 @@ def sequences_of(rows: Sequence[dict], max_len: int) -> list[tuple[np.ndarray, n
     for r in rows:
         tokens = np.asarray(list(r["prompt_ids"]) + list(r["answer_ids"]), np.int32)[:max_len]
         mask = np.zeros(len(tokens), bool)
-        mask[len(r["prompt_ids"]):] = True
+        mask[len(r["prompt_ids"]) :] = True
         out.append((tokens, mask))
     return out

@@ -14,8 +14,16 @@ from typing import Sequence
 from specjax.training.data import PromptRecord, encode_record
 
 
-def evaluate(model, proposer, proposer_params, records: Sequence[PromptRecord], *,
-             max_new_tokens: int = 64, batch_size: int = 1, progress: bool = True) -> dict:
+def evaluate(
+    model,
+    proposer,
+    proposer_params,
+    records: Sequence[PromptRecord],
+    *,
+    max_new_tokens: int = 64,
+    batch_size: int = 1,
+    progress: bool = True,
+) -> dict:
     """{"categories": {cat: {...}}, "all": {...}}; each with prompts, new_tokens, steps and
     mean_accepted = new_tokens / steps (token-weighted over the category's prompts)."""
     from tqdm import tqdm
@@ -30,12 +38,12 @@ def evaluate(model, proposer, proposer_params, records: Sequence[PromptRecord], 
     pages = 2 * batch_size * (-(-bucket(longest) // 16)) + 8
     engine = Engine(model.params, model.config, num_pages=pages, page_size=16)
     stats: dict[str, dict] = {}
-    bar = tqdm(total=len(prompts), disable=not progress, desc="evaluate", unit="prompt",
-               dynamic_ncols=True)
+    bar = tqdm(total=len(prompts), disable=not progress, desc="evaluate", unit="prompt", dynamic_ncols=True)
     for s in range(0, len(prompts), batch_size):
-        out = engine.generate(prompts[s:s + batch_size], max_new_tokens, proposer=proposer,
-                              proposer_params=proposer_params)
-        for rec, ids, steps in zip(records[s:s + batch_size], out.token_ids, out.steps):
+        out = engine.generate(
+            prompts[s : s + batch_size], max_new_tokens, proposer=proposer, proposer_params=proposer_params
+        )
+        for rec, ids, steps in zip(records[s : s + batch_size], out.token_ids, out.steps):
             for cat in (rec.category, "all"):
                 st = stats.setdefault(cat, {"prompts": 0, "new_tokens": 0, "steps": 0})
                 st["prompts"] += 1
@@ -48,8 +56,7 @@ def evaluate(model, proposer, proposer_params, records: Sequence[PromptRecord], 
     for st in stats.values():
         st["mean_accepted"] = st["new_tokens"] / st["steps"] if st["steps"] else 0.0
     overall = stats.pop("all")
-    return {"categories": dict(sorted(stats.items())), "all": overall,
-            "max_new_tokens": max_new_tokens}
+    return {"categories": dict(sorted(stats.items())), "all": overall, "max_new_tokens": max_new_tokens}
 
 
 def write_report(path, report: dict, **extra) -> Path:

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.cache import PagedKVCache, init_pages
-from specjax.config import ModelConfig
 from specjax.model import causal_mask, forward
+from specjax.model_config import ModelConfig
 
 FEATURES_DIR = "features"
 
@@ -51,13 +51,11 @@ class FeatureSpec:
 def scratch_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> PagedKVCache:
     """An empty paged cache of one `length`-slot page per sequence (teacher forcing, training)."""
     k, v = init_pages(config, batch, length, dtype)
-    return PagedKVCache(k, v, jnp.arange(batch, dtype=jnp.int32)[:, None],
-                        jnp.zeros((batch,), jnp.int32))
+    return PagedKVCache(k, v, jnp.arange(batch, dtype=jnp.int32)[:, None], jnp.zeros((batch,), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "final", "layers"))
-def teacher_forward(params, config: ModelConfig, tokens, valid, final: bool = True,
-                    layers: tuple[int, ...] = ()):
+def teacher_forward(params, config: ModelConfig, tokens, valid, final: bool = True, layers: tuple[int, ...] = ()):
     """Hidden states of a teacher-forced pass: {"final": [B, T, D], "layer_i": [B, T, D]}.
 
     tokens, valid: [B, T] (right padding is invalid and never attended to).
@@ -65,8 +63,17 @@ def teacher_forward(params, config: ModelConfig, tokens, valid, final: bool = Tr
     b, t = tokens.shape
     cache = scratch_cache(config, b, t, params["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = forward(params, config, tokens, positions, cache, causal_mask(b, t), valid=valid,
-                  logits_at=jnp.zeros((b, 0), jnp.int32), hidden_layers=layers)
+    out = forward(
+        params,
+        config,
+        tokens,
+        positions,
+        cache,
+        causal_mask(b, t),
+        valid=valid,
+        logits_at=jnp.zeros((b, 0), jnp.int32),
+        hidden_layers=layers,
+    )
     res = {f"layer_{i}": h.astype(jnp.float32) for i, h in zip(layers, out.layer_hiddens)}
     if final:
         res["final"] = out.hidden.astype(jnp.float32)
@@ -78,9 +85,17 @@ def length_bucket(n: int, minimum: int = 32) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def extract_features(params, config: ModelConfig, sequences: Sequence[tuple[np.ndarray, np.ndarray]],
-                     folder, spec: FeatureSpec = FeatureSpec(), *, batch_size: int = 8,
-                     shard_size: int = 256, progress: bool = True) -> Path:
+def extract_features(
+    params,
+    config: ModelConfig,
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]],
+    folder,
+    spec: FeatureSpec = FeatureSpec(),
+    *,
+    batch_size: int = 8,
+    shard_size: int = 256,
+    progress: bool = True,
+) -> Path:
     """Write the features of `sequences` [(tokens, answer mask)] under folder; resumable.
 
     Returns the spec's shard folder. Sequence s lands in shard s // shard_size, in order.
@@ -92,29 +107,40 @@ def extract_features(params, config: ModelConfig, sequences: Sequence[tuple[np.n
             raise ValueError(f"feature layer {i} outside [0, {config.num_layers})")
     root = Path(folder) / FEATURES_DIR / spec.key
     root.mkdir(parents=True, exist_ok=True)
-    meta = {"num_sequences": len(sequences), "shard_size": shard_size,
-            "hidden_size": config.hidden_size, **dataclasses.asdict(spec)}
+    meta = {
+        "num_sequences": len(sequences),
+        "shard_size": shard_size,
+        "hidden_size": config.hidden_size,
+        **dataclasses.asdict(spec),
+    }
     meta["layers"] = list(spec.layers)
     meta_path = root / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         if old != meta and not _grown(root, old, meta, sequences):
             diff = next(k for k in meta if old.get(k) != meta[k])
-            raise ValueError(f"features in {root} were made with {diff}={old.get(diff)!r}, "
-                             f"not {meta[diff]!r}: use another data folder")
+            raise ValueError(
+                f"features in {root} were made with {diff}={old.get(diff)!r}, "
+                f"not {meta[diff]!r}: use another data folder"
+            )
     meta_path.write_text(json.dumps(meta, indent=2))
     n_shards = -(-len(sequences) // shard_size)
     store_dtype = np.dtype(spec.dtype)
     missing = [s for s in range(n_shards) if not (root / f"shard_{s:05d}").exists()]
-    bar = tqdm(total=len(sequences), disable=not progress, desc="features", unit="seq",
-               dynamic_ncols=True, initial=len(sequences) - sum(
-                   len(sequences[s * shard_size:(s + 1) * shard_size]) for s in missing))
+    bar = tqdm(
+        total=len(sequences),
+        disable=not progress,
+        desc="features",
+        unit="seq",
+        dynamic_ncols=True,
+        initial=len(sequences) - sum(len(sequences[s * shard_size : (s + 1) * shard_size]) for s in missing),
+    )
     for s in missing:
-        seqs = sequences[s * shard_size:(s + 1) * shard_size]
+        seqs = sequences[s * shard_size : (s + 1) * shard_size]
         outs: list[dict] = [None] * len(seqs)  # type: ignore[list-item]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
         for j in range(0, len(order), batch_size):
-            idx = order[j:j + batch_size]
+            idx = order[j : j + batch_size]
             t = length_bucket(max(len(seqs[i][0]) for i in idx))
             tok = np.zeros((batch_size, t), np.int32)
             val = np.zeros((batch_size, t), bool)
@@ -122,8 +148,9 @@ def extract_features(params, config: ModelConfig, sequences: Sequence[tuple[np.n
                 n = len(seqs[i][0])
                 tok[r, :n] = seqs[i][0]
                 val[r, :n] = True
-            res = jax.device_get(teacher_forward(params, config, jnp.asarray(tok),
-                                                 jnp.asarray(val), spec.final, spec.layers))
+            res = jax.device_get(
+                teacher_forward(params, config, jnp.asarray(tok), jnp.asarray(val), spec.final, spec.layers)
+            )
             for r, i in enumerate(idx):
                 n = len(seqs[i][0])
                 outs[i] = {k: v[r, :n].astype(store_dtype) for k, v in res.items()}
@@ -146,8 +173,9 @@ def _grown(root: Path, old: dict, meta: dict, sequences) -> bool:
     """Whether the folder holds features of a prefix of `sequences` (the data grew, e.g. more
     prompts answered in the same order); if so its last, partial shard is dropped to be redone
     with the new sequences. Shards are compared token by token."""
-    if {k: v for k, v in old.items() if k != "num_sequences"} != \
-            {k: v for k, v in meta.items() if k != "num_sequences"}:
+    if {k: v for k, v in old.items() if k != "num_sequences"} != {
+        k: v for k, v in meta.items() if k != "num_sequences"
+    }:
         return False
     n_old, size = old["num_sequences"], old["shard_size"]
     if n_old >= len(sequences):
@@ -156,11 +184,11 @@ def _grown(root: Path, old: dict, meta: dict, sequences) -> bool:
         d = root / f"shard_{s:05d}"
         if not d.exists():
             continue
-        seqs = sequences[s * size:min((s + 1) * size, n_old)]
+        seqs = sequences[s * size : min((s + 1) * size, n_old)]
         offsets = np.cumsum([0] + [len(q[0]) for q in seqs])
-        if (not np.array_equal(np.load(d / "offsets.npy"), offsets)
-                or not np.array_equal(np.load(d / "tokens.npy"),
-                                      np.concatenate([q[0] for q in seqs]))):
+        if not np.array_equal(np.load(d / "offsets.npy"), offsets) or not np.array_equal(
+            np.load(d / "tokens.npy"), np.concatenate([q[0] for q in seqs])
+        ):
             return False
     if n_old % size:
         shutil.rmtree(root / f"shard_{n_old // size:05d}", ignore_errors=True)
@@ -171,8 +199,7 @@ def padded_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray]], t: int) -> d
     """tokens int32[B, t], mask bool[B, t] (answer tokens) and valid bool[B, t] of (tokens,
     answer mask) pairs, right-padded (or cut) to t."""
     b = len(seqs)
-    out = {"tokens": np.zeros((b, t), np.int32), "mask": np.zeros((b, t), bool),
-           "valid": np.zeros((b, t), bool)}
+    out = {"tokens": np.zeros((b, t), np.int32), "mask": np.zeros((b, t), bool), "valid": np.zeros((b, t), bool)}
     for r, (tokens, mask) in enumerate(seqs):
         n = min(len(tokens), t)
         out["tokens"][r, :n], out["mask"][r, :n], out["valid"][r, :n] = tokens[:n], mask[:n], True
@@ -240,9 +267,11 @@ class FeatureStores(FeatureStore):
         first = stores[0]
         for st in stores[1:]:
             if st.spec != first.spec or st.hidden_size != first.hidden_size:
-                raise ValueError(f"features in {st.root} ({st.spec.key}, hidden size "
-                                 f"{st.hidden_size}) do not match {first.root} ({first.spec.key}, "
-                                 f"hidden size {first.hidden_size})")
+                raise ValueError(
+                    f"features in {st.root} ({st.spec.key}, hidden size "
+                    f"{st.hidden_size}) do not match {first.root} ({first.spec.key}, "
+                    f"hidden size {first.hidden_size})"
+                )
         self.parts = list(stores)
         self.root, self.meta, self.spec = first.root, first.meta, first.spec
         self.lengths = np.concatenate([st.lengths for st in stores])

@@ -48,8 +48,7 @@ def _masked_mean(x, mask):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY, positions=None,
-                positions_ok=None):
+def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY, positions=None, positions_ok=None):
     """Medusa-1 loss of head logits [B, P, K, V] for tokens [B, T] with answer mask [B, T].
 
     Head k at position t is scored on tokens[t + k + 2] where that token is an answer token.
@@ -58,15 +57,15 @@ def medusa_loss(logits, tokens, mask, decay: float = MEDUSA_DECAY, positions=Non
     Returns (sum_k decay^(k+1) * CE_k, {"loss_k": [K], "acc_k": [K] top-1 accuracy}).
     """
     k = logits.shape[2]
-    return shifted_ce_loss(logits, tokens, mask, decay ** jnp.arange(1, k + 1, dtype=jnp.float32),
-                           positions, positions_ok)
+    return shifted_ce_loss(
+        logits, tokens, mask, decay ** jnp.arange(1, k + 1, dtype=jnp.float32), positions, positions_ok
+    )
 
 
 def redrafter_loss(logits, tokens, mask, positions=None, positions_ok=None):
     """ReDrafter loss of step logits [B, P, K, V]: step k at t is scored on tokens[t + k + 2]
     (answer tokens only); the steps' cross-entropies are summed (Apple's drafter_loss)."""
-    return shifted_ce_loss(logits, tokens, mask, jnp.ones((logits.shape[2],), jnp.float32),
-                           positions, positions_ok)
+    return shifted_ce_loss(logits, tokens, mask, jnp.ones((logits.shape[2],), jnp.float32), positions, positions_ok)
 
 
 def sample_positions(key, eligible, n: int):
@@ -123,8 +122,17 @@ def smooth_l1(x, y, beta: float = 1.0):
     return jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
 
 
-def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: float = EAGLE_P_W,
-               positions=None, ok=None, token_loss: str = "kl"):
+def eagle_loss(
+    predicted,
+    target,
+    lm_head,
+    mask,
+    v_w: float = EAGLE_V_W,
+    p_w: float = EAGLE_P_W,
+    positions=None,
+    ok=None,
+    token_loss: str = "kl",
+):
     """EAGLE loss of predicted features [B, T, D] against the target's next features [B, T, D].
 
     lm_head: the target's frozen [V, D] head; mask [B, T]: positions that count.
@@ -140,8 +148,7 @@ def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: fl
         raise ValueError(f"unknown token loss '{token_loss}' ({' or '.join(TOKEN_LOSSES)})")
     m = mask.astype(jnp.float32)
     denom = jnp.sum(m) + 1e-5
-    vloss = jnp.sum(m * jnp.mean(smooth_l1(predicted.astype(jnp.float32),
-                                           target.astype(jnp.float32)), axis=-1)) / denom
+    vloss = jnp.sum(m * jnp.mean(smooth_l1(predicted.astype(jnp.float32), target.astype(jnp.float32)), axis=-1)) / denom
     if positions is not None:
         predicted = jnp.take_along_axis(predicted, positions[..., None], axis=1)
         target = jnp.take_along_axis(target, positions[..., None], axis=1)
@@ -160,8 +167,13 @@ def eagle_loss(predicted, target, lm_head, mask, v_w: float = EAGLE_V_W, p_w: fl
     else:
         ploss = ce
     acc = jnp.sum(m * (jnp.argmax(p_logits, -1) == jnp.argmax(t_logits, -1))) / denom
-    return v_w * vloss + p_w * ploss, {"vloss": vloss, "ploss": ploss, "kl": ce - entropy,
-                                       "alpha": jnp.sum(m * alpha) / denom, "acc_k": acc[None]}
+    return v_w * vloss + p_w * ploss, {
+        "vloss": vloss,
+        "ploss": ploss,
+        "kl": ce - entropy,
+        "alpha": jnp.sum(m * alpha) / denom,
+        "acc_k": acc[None],
+    }
 
 
 def uniform_feature_noise(key, features, lengths, std: float = EAGLE_NOISE_STD):
@@ -198,8 +210,7 @@ def shift_left(x, n: int):
     return jnp.concatenate([x[:, n:], pad], axis=1)
 
 
-def eagle3_loss(step_logp, target_logits, target_in_vocab, mask, valid,
-                decay: float = EAGLE3_DECAY):
+def eagle3_loss(step_logp, target_logits, target_in_vocab, mask, valid, decay: float = EAGLE3_DECAY):
     """EAGLE-3 training-time-test loss.
 
     step_logp [K, B, T, N]: the draft's log-probabilities (draft vocabulary of N ids) at step i,
@@ -217,8 +228,7 @@ def eagle3_loss(step_logp, target_logits, target_in_vocab, mask, valid,
     losses, accs, kls = [], [], []
     for i in range(k):
         tp = shift_left(target_p, 1 + i)
-        pm = (shift_left(target_in_vocab, 1 + i) & shift_left(mask, i)
-              & shift_left(valid, 1 + i)).astype(jnp.float32)
+        pm = (shift_left(target_in_vocab, 1 + i) & shift_left(mask, i) & shift_left(valid, 1 + i)).astype(jnp.float32)
         logp = step_logp[i].astype(jnp.float32)
         losses.append(-jnp.sum(pm * jnp.sum(tp * logp, axis=-1)) / n_pos)
         ent = -jnp.sum(pm * jnp.sum(tp * shift_left(target_logp, 1 + i), axis=-1)) / n_pos
@@ -227,5 +237,8 @@ def eagle3_loss(step_logp, target_logits, target_in_vocab, mask, valid,
         accs.append(jnp.sum(hit * pm) / (jnp.sum(shift_left(mask, i) & valid) + 1e-6))
     losses = jnp.stack(losses)
     weights = decay ** jnp.arange(k, dtype=jnp.float32)
-    return jnp.sum(weights * losses), {"loss_k": losses, "acc_k": jnp.stack(accs),
-                                       "kl": jnp.sum(weights * jnp.stack(kls))}
+    return jnp.sum(weights * losses), {
+        "loss_k": losses,
+        "acc_k": jnp.stack(accs),
+        "kl": jnp.sum(weights * jnp.stack(kls)),
+    }

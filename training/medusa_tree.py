@@ -41,8 +41,9 @@ def _label_ranks(proposer, head_params, lm_head, features, labels):
     return jnp.where(labels >= 0, rank, -1).astype(jnp.int32)
 
 
-def true_ranks(proposer, params, store, num_sequences: int | None = None,
-               chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+def true_ranks(
+    proposer, params, store, num_sequences: int | None = None, chunk: int = 1024
+) -> tuple[np.ndarray, np.ndarray]:
     """(int32[P, K], int64[S + 1]): at every answer position of the store's first
     `num_sequences` sequences, the rank of the true token k + 1 places after the pending one in
     head k's drafting order (-1 when it cannot be drafted: not in the heads' draft vocabulary,
@@ -64,7 +65,7 @@ def true_ranks(proposer, params, store, num_sequences: int | None = None,
         tokens = np.concatenate([seq["tokens"], np.full(k + 2, -1)])
         mask = np.concatenate([seq["mask"], np.zeros(k + 2, bool)])
         # Position t predicts token t + 1 (the pending token); head j drafts token t + j + 2.
-        t = np.flatnonzero(mask[1:length + 1] & mask[2:length + 2])
+        t = np.flatnonzero(mask[1 : length + 1] & mask[2 : length + 2])
         lab = np.stack([np.where(mask[t + j + 2], tokens[t + j + 2], -1) for j in range(k)], 1)
         if index is not None:
             lab = np.where(lab >= 0, index[np.maximum(lab, 0)], -1)
@@ -79,13 +80,12 @@ def true_ranks(proposer, params, store, num_sequences: int | None = None,
     dtype = jax.tree_util.tree_leaves(params["heads"])[0].dtype
     out = []
     for s in range(0, len(labels), chunk):
-        x, lab = feats[s:s + chunk], labels[s:s + chunk]
+        x, lab = feats[s : s + chunk], labels[s : s + chunk]
         if len(x) < chunk:  # one compiled shape
             x = np.concatenate([x, np.zeros((chunk - len(x),) + x.shape[1:], x.dtype)])
             lab = np.concatenate([lab, np.full((chunk - len(lab), k), -1)])
-        r = _label_ranks(proposer, params["heads"], lm_head, jnp.asarray(x, dtype),
-                         jnp.asarray(lab, jnp.int32))
-        out.append(np.asarray(r)[:len(labels) - s])
+        r = _label_ranks(proposer, params["heads"], lm_head, jnp.asarray(x, dtype), jnp.asarray(lab, jnp.int32))
+        out.append(np.asarray(r)[: len(labels) - s])
     return np.concatenate(out), offsets
 
 
@@ -115,8 +115,7 @@ def expected_accepted(counts: collections.Counter, num_positions: int, choices) 
     return 1.0 + sum(counts.get(tuple(p), 0) for p in choices) / num_positions
 
 
-def decoded_tokens_per_step(ranks: np.ndarray, offsets: np.ndarray, choices,
-                            max_rank: int) -> float:
+def decoded_tokens_per_step(ranks: np.ndarray, offsets: np.ndarray, choices, max_rank: int) -> float:
     """Tokens per target pass greedy decoding would take over these answers with this tree.
 
     Each step starts where the previous one's accepted tokens end, so steps land on the
@@ -138,7 +137,7 @@ def accepted_drafts(row, tree: set, max_rank: int) -> int:
     """Drafted tokens a step accepts when the true tokens have these ranks: the depth of the
     deepest tree node on their path."""
     n = 0
-    while n < len(row) and 0 <= row[n] < max_rank and tuple(int(r) for r in row[:n + 1]) in tree:
+    while n < len(row) and 0 <= row[n] < max_rank and tuple(int(r) for r in row[: n + 1]) in tree:
         n += 1
     return n
 
@@ -146,24 +145,32 @@ def accepted_drafts(row, tree: set, max_rank: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", required=True, help="specjax Medusa head checkpoint")
-    ap.add_argument("--data", required=True,
-                    help="a data folder of `specjax train` (its final-state features) or a "
-                         "feature folder itself")
+    ap.add_argument(
+        "--data",
+        required=True,
+        help="a data folder of `specjax train` (its final-state features) or a feature folder itself",
+    )
     ap.add_argument("--base", default="smollm2-135m", help="the heads' base model")
-    ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8, 16, 32, 63],
-                    help="tree sizes to fit (drafted nodes, the root not counted)")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        nargs="+",
+        default=[4, 8, 16, 32, 63],
+        help="tree sizes to fit (drafted nodes, the root not counted)",
+    )
     ap.add_argument("--max-rank", type=int, default=10, help="ranks per head considered")
     ap.add_argument("--sequences", type=int, default=500, help="sequences of the data read")
     ap.add_argument("--out", default=None, help="write the trees and estimates to this JSON")
     args = ap.parse_args(argv)
     try:
-        result = fit_trees(args.heads, args.data, args.base, args.nodes, args.max_rank,
-                           args.sequences)
+        result = fit_trees(args.heads, args.data, args.base, args.nodes, args.max_rank, args.sequences)
     except (ValueError, OSError) as e:
         print(f"medusa_tree: error: {e}", file=sys.stderr)
         return 2
-    print(f"{result['positions']} positions of {result['sequences']} answers; tokens per target "
-          f"pass: mean over positions / greedy decoding of the answers")
+    print(
+        f"{result['positions']} positions of {result['sequences']} answers; tokens per target "
+        f"pass: mean over positions / greedy decoding of the answers"
+    )
     for n, tree in {**result["trees"], **result["reference"]}.items():
         print(f"{n:>12}: {tree['expected_accepted']:.3f} / {tree['decoded']:.3f}")
     if args.out:
@@ -179,16 +186,18 @@ def find_final_features(data) -> Path:
     data = Path(data)
     if (data / "meta.json").exists():
         return data
-    found = sorted(p.parent for p in (data / FEATURES_DIR).glob("*/meta.json")
-                   if json.loads(p.read_text()).get("final"))
+    found = sorted(
+        p.parent for p in (data / FEATURES_DIR).glob("*/meta.json") if json.loads(p.read_text()).get("final")
+    )
     if not found:
-        raise ValueError(f"{data} holds no final-state features: extract them with "
-                         f"`specjax train --method medusa --data {data} --until features`")
+        raise ValueError(
+            f"{data} holds no final-state features: extract them with "
+            f"`specjax train --method medusa --data {data} --until features`"
+        )
     return min(found, key=lambda p: len(p.name))  # final-only rather than EAGLE-3's
 
 
-def fit_trees(heads, data, base="smollm2-135m", nodes=(4, 8, 16, 32, 63), max_rank=10,
-              sequences=500) -> dict:
+def fit_trees(heads, data, base="smollm2-135m", nodes=(4, 8, 16, 32, 63), max_rank=10, sequences=500) -> dict:
     """{"positions", "trees": {n: {"choices", "expected_accepted", "decoded"}}, "reference":
     the same for the named trees}."""
     from specjax.loading import load_model
@@ -201,24 +210,33 @@ def fit_trees(heads, data, base="smollm2-135m", nodes=(4, 8, 16, 32, 63), max_ra
     store = FeatureStore(find_final_features(data))
     model = load_model(base, pack=False)
     if store.hidden_size != model.config.hidden_size:
-        raise ValueError(f"features of hidden size {store.hidden_size} do not match the base "
-                         f"model's {model.config.hidden_size}")
+        raise ValueError(
+            f"features of hidden size {store.hidden_size} do not match the base model's {model.config.hidden_size}"
+        )
     proposer, params = make_proposer("medusa", model, heads=str(heads), medusa_choices=[[0]])
     ranks, offsets = true_ranks(proposer, params, store, sequences)
     counts = prefix_counts(ranks, max_rank)
 
     def scores(choices):
-        return {"choices": [list(p) for p in choices],
-                "expected_accepted": expected_accepted(counts, len(ranks), choices),
-                "decoded": decoded_tokens_per_step(ranks, offsets, choices, max_rank)}
+        return {
+            "choices": [list(p) for p in choices],
+            "expected_accepted": expected_accepted(counts, len(ranks), choices),
+            "decoded": decoded_tokens_per_step(ranks, offsets, choices, max_rank),
+        }
 
     trees = {str(n): scores(fit_tree(counts, n)) for n in nodes}
-    reference = {name: scores([p for p in tree if len(p) <= proposer.num_heads])
-                 for name, tree in MEDUSA_TREES.items()}
+    reference = {name: scores([p for p in tree if len(p) <= proposer.num_heads]) for name, tree in MEDUSA_TREES.items()}
     top1 = [float(np.mean(ranks[:, j] == 0)) for j in range(ranks.shape[1])]
-    return {"heads": str(heads), "features": str(store.root), "positions": int(len(ranks)),
-            "sequences": min(sequences, len(store)), "max_rank": max_rank,
-            "top1_per_head": top1, "trees": trees, "reference": reference}
+    return {
+        "heads": str(heads),
+        "features": str(store.root),
+        "positions": int(len(ranks)),
+        "sequences": min(sequences, len(store)),
+        "max_rank": max_rank,
+        "top1_per_head": top1,
+        "trees": trees,
+        "reference": reference,
+    }
 
 
 if __name__ == "__main__":

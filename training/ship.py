@@ -18,15 +18,14 @@ def ship_heads(src, dst, decoding_defaults: dict | None = None, card: str | None
     loaders cast to the model's dtype), `decoding_defaults` added to its metadata, and README.md."""
     from safetensors.numpy import load_file, save_file
 
-    from specjax.checkpoint import FORMAT_FILE, _atomic_dir, _finish_dir
+    from specjax.checkpoint import FORMAT_FILE, atomic_dir, finish_dir
     from specjax.heads import HEADS_FILE, load_heads
 
     src, dst = Path(src), Path(dst)
     meta, _ = load_heads(src)  # checks it is a head checkpoint
     tensors = load_file(str(src / HEADS_FILE))
-    small = {k: v.astype(np.float16) if np.issubdtype(v.dtype, np.floating) else v
-             for k, v in tensors.items()}
-    tmp = _atomic_dir(dst)
+    small = {k: v.astype(np.float16) if np.issubdtype(v.dtype, np.floating) else v for k, v in tensors.items()}
+    tmp = atomic_dir(dst)
     save_file(small, str(tmp / HEADS_FILE))
     raw = json.loads((src / FORMAT_FILE).read_text())
     if decoding_defaults:
@@ -35,7 +34,7 @@ def ship_heads(src, dst, decoding_defaults: dict | None = None, card: str | None
     (tmp / FORMAT_FILE).write_text(json.dumps(raw, indent=2) + "\n")
     if card:
         (tmp / "README.md").write_text(card)
-    _finish_dir(tmp, dst)
+    finish_dir(tmp, dst)
     return dst
 
 
@@ -43,8 +42,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--defaults", default=None,
-                    help="JSON {method: {make_proposer option: value}}, or a file holding it")
+    ap.add_argument(
+        "--defaults", default=None, help="JSON {method: {make_proposer option: value}}, or a file holding it"
+    )
     ap.add_argument("--card", default=None, help="a markdown file to ship as README.md")
     args = ap.parse_args(argv)
     card = Path(args.card).read_text() if args.card else None

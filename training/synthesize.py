@@ -41,14 +41,12 @@ def user_turn_prefix(tokenizer) -> list[int]:
     """Token ids of the chat template up to where the first user message's text begins
     (including the template's default system turn, if it adds one)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise SynthesisError("the base model's tokenizer has no chat template: nothing marks "
-                             "where a user turn begins")
+        raise SynthesisError("the base model's tokenizer has no chat template: nothing marks where a user turn begins")
     marker = "\x00user-text\x00"
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
-                                             tokenize=False)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     if marker not in rendered:
         raise SynthesisError("the chat template does not render the user's text verbatim")
-    return list(tokenizer(rendered[:rendered.index(marker)], add_special_tokens=False).input_ids)
+    return list(tokenizer(rendered[: rendered.index(marker)], add_special_tokens=False).input_ids)
 
 
 def _norm(text: str) -> str:
@@ -75,13 +73,19 @@ def _read_kept(path: Path) -> list[dict]:
                 return read_appended_jsonl(path, check=_is_ours)
         except DataError:
             pass
-        raise SynthesisError(f"{path} holds records this command did not write; use another "
-                             "output file")
+        raise SynthesisError(f"{path} holds records this command did not write; use another output file")
     return []
 
 
-def synthesize_prompts(model, n: int, out, cfg: SynthesisConfig = SynthesisConfig(), *,
-                       max_attempts: int | None = None, progress: bool = True) -> list[dict]:
+def synthesize_prompts(
+    model,
+    n: int,
+    out,
+    cfg: SynthesisConfig = SynthesisConfig(),
+    *,
+    max_attempts: int | None = None,
+    progress: bool = True,
+) -> list[dict]:
     """Write up to n user requests the base model makes up to the JSONL file `out`; returns the
     kept records (earlier ones of the file included). Deterministic: the same model, n and
     settings give the same file, whether or not the run was interrupted.
@@ -98,13 +102,11 @@ def synthesize_prompts(model, n: int, out, cfg: SynthesisConfig = SynthesisConfi
     if n < 1:
         raise SynthesisError(f"the number of prompts must be >= 1, got {n}")
     if cfg.temperature <= 0:
-        raise SynthesisError(f"temperature must be > 0 (greedy sampling repeats one request), "
-                             f"got {cfg.temperature}")
+        raise SynthesisError(f"temperature must be > 0 (greedy sampling repeats one request), got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:
         raise SynthesisError(f"top_p must be in (0, 1], got {cfg.top_p}")
     if not 1 <= cfg.min_tokens <= cfg.max_tokens:
-        raise SynthesisError(f"need 1 <= min_tokens <= max_tokens, got {cfg.min_tokens} and "
-                             f"{cfg.max_tokens}")
+        raise SynthesisError(f"need 1 <= min_tokens <= max_tokens, got {cfg.min_tokens} and {cfg.max_tokens}")
     out = Path(out)
     kept = _read_kept(out)
     seen = {_norm(r["turns"][0]) for r in kept}
@@ -119,28 +121,32 @@ def synthesize_prompts(model, n: int, out, cfg: SynthesisConfig = SynthesisConfi
     pages = -(-bucket(len(prefix) + cfg.max_tokens + 1) // 16)
     engine = Engine(model.params, model.config, num_pages=2 * bs * pages + 8, page_size=16)
     sampling = SamplingConfig(cfg.temperature, 0, cfg.top_p)
-    bar = tqdm(total=n, initial=len(kept), disable=not progress, desc="synthesize",
-               unit="prompt", dynamic_ncols=True)
+    bar = tqdm(total=n, initial=len(kept), disable=not progress, desc="synthesize", unit="prompt", dynamic_ncols=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as f:
         while len(kept) < n and attempts_left > 0:
             # a round of requests; kept in seed order so that resuming gives the same file
             round_n = min(attempts_left, bs * 8)
             seeds = list(range(next_seed, next_seed + round_n))
-            outs = sorted(engine.generate_continuous([prefix] * round_n, cfg.max_tokens,
-                                                     slots=bs, sampling=sampling, seeds=seeds,
-                                                     eos_token_ids=end_of_turn),
-                          key=lambda o: o.index)
+            outs = sorted(
+                engine.generate_continuous(
+                    [prefix] * round_n,
+                    cfg.max_tokens,
+                    slots=bs,
+                    sampling=sampling,
+                    seeds=seeds,
+                    eos_token_ids=end_of_turn,
+                ),
+                key=lambda o: o.index,
+            )
             for o in outs:
                 seed = seeds[o.index]
                 ids = [t for t in o.token_ids if t not in end_of_turn]
                 text = tok.decode(ids, skip_special_tokens=True).strip()
-                if (not o.finished_by_eos or len(ids) < cfg.min_tokens or not text
-                        or _norm(text) in seen):
+                if not o.finished_by_eos or len(ids) < cfg.min_tokens or not text or _norm(text) in seen:
                     continue
                 seen.add(_norm(text))
-                rec = {"id": f"synth-{seed}", "category": cfg.category, "source": SOURCE,
-                       "seed": seed, "turns": [text]}
+                rec = {"id": f"synth-{seed}", "category": cfg.category, "source": SOURCE, "seed": seed, "turns": [text]}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 kept.append(rec)
                 bar.update(1)

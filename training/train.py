@@ -23,9 +23,9 @@ import numpy as np
 import optax
 from flax import struct
 
-from specjax.config import ModelConfig
+from specjax.model_config import ModelConfig
 from specjax.training.features import FeatureStore
-from specjax.training.methods import TrainMethod
+from specjax.training.trainers import TrainMethod
 
 RUN_FILE = "train.json"
 METRICS_FILE = "metrics.jsonl"
@@ -54,10 +54,12 @@ class OptimConfig:
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     warmup = min(cfg.warmup, max(cfg.steps - 1, 0))
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
-                                               end_value=cfg.lr * cfg.end_lr_ratio)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip),
-                       optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.end_lr_ratio
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip), optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    )
 
 
 @struct.dataclass
@@ -77,8 +79,7 @@ def init_state(method: TrainMethod, opt: OptimConfig, params) -> TrainState:
 
 
 @functools.partial(jax.jit, static_argnames=("method", "config", "opt"), donate_argnames=("state",))
-def train_step(method: TrainMethod, config: ModelConfig, opt: OptimConfig, state: TrainState,
-               frozen, batch: dict, key):
+def train_step(method: TrainMethod, config: ModelConfig, opt: OptimConfig, state: TrainState, frozen, batch: dict, key):
     """One optimizer step on `batch`; returns (state, metrics incl. loss and grad norm).
 
     frozen: {"base": base model parameters, **method constants}, never differentiated.
@@ -97,8 +98,7 @@ def train_step(method: TrainMethod, config: ModelConfig, opt: OptimConfig, state
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
-def batch_ids(step: int, batch_size: int, n: int, seed: int,
-              lengths: np.ndarray | None = None) -> np.ndarray:
+def batch_ids(step: int, batch_size: int, n: int, seed: int, lengths: np.ndarray | None = None) -> np.ndarray:
     """Sequence ids of batch `step`: a seeded permutation of all n sequences per epoch.
 
     With `lengths` (tokens per sequence) batches hold sequences of similar length, as Hugging
@@ -121,8 +121,7 @@ def batch_ids(step: int, batch_size: int, n: int, seed: int,
 LENGTH_GROUP_BATCHES = 50  # batches per length-sorted window (Hugging Face's mega-batch)
 
 
-def _length_grouped_order(epoch: int, batch_size: int, lengths: np.ndarray,
-                          seed: int) -> np.ndarray:
+def _length_grouped_order(epoch: int, batch_size: int, lengths: np.ndarray, seed: int) -> np.ndarray:
     """int[n // batch_size, batch_size]: one epoch's batches of similar length, in seeded order.
 
     The epoch's permutation is cut into windows of LENGTH_GROUP_BATCHES batches, each window
@@ -131,10 +130,9 @@ def _length_grouped_order(epoch: int, batch_size: int, lengths: np.ndarray,
     n = len(lengths)
     perm = np.random.default_rng([seed, epoch]).permutation(n)
     window = LENGTH_GROUP_BATCHES * batch_size
-    parts = [w[np.argsort(-lengths[w], kind="stable")]
-             for w in np.split(perm, range(window, n, window))]
+    parts = [w[np.argsort(-lengths[w], kind="stable")] for w in np.split(perm, range(window, n, window))]
     per_epoch = n // batch_size
-    batches = np.concatenate(parts)[:per_epoch * batch_size].reshape(per_epoch, batch_size)
+    batches = np.concatenate(parts)[: per_epoch * batch_size].reshape(per_epoch, batch_size)
     return batches[np.random.default_rng([seed, epoch, 1]).permutation(per_epoch)]
 
 
@@ -146,14 +144,14 @@ class Sharder:
     """Puts batches on a `data` mesh axis (and replicates the rest) when several devices exist."""
 
     def __init__(self, batch_size: int, devices=None):
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         devices = list(jax.devices() if devices is None else devices)
         self.mesh = None
         if len(devices) > 1:
             if batch_size % len(devices):
-                raise TrainError(f"batch size {batch_size} is not a multiple of the "
-                                 f"{len(devices)} devices")
+                raise TrainError(f"batch size {batch_size} is not a multiple of the {len(devices)} devices")
             self.mesh = Mesh(np.asarray(devices), ("data",))
             self.data = NamedSharding(self.mesh, P("data"))
             self.replicated = NamedSharding(self.mesh, P())
@@ -173,8 +171,9 @@ def _checkpoint_manager(path: Path):
     import orbax.checkpoint as ocp
 
     return ocp.CheckpointManager(
-        path.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
-                                                              enable_async_checkpointing=False))
+        path.absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False),
+    )
 
 
 def save_checkpoint(mngr, state: TrainState) -> None:
@@ -195,11 +194,25 @@ def restore_checkpoint(mngr, like: TrainState) -> TrainState | None:
     return mngr.restore(step, args=ocp.args.StandardRestore(abstract))
 
 
-def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureStore, out_dir,
-        opt: OptimConfig, *, batch_size: int, max_len: int, seed: int, save_every: int,
-        init_params=None, stop_after: int | None = None, progress: bool = True,
-        devices=None, constants: dict | None = None,
-        group_by_length: bool = False) -> TrainState:
+def fit(
+    method: TrainMethod,
+    config: ModelConfig,
+    base_params,
+    store: FeatureStore,
+    out_dir,
+    opt: OptimConfig,
+    *,
+    batch_size: int,
+    max_len: int,
+    seed: int,
+    save_every: int,
+    init_params=None,
+    stop_after: int | None = None,
+    progress: bool = True,
+    devices=None,
+    constants: dict | None = None,
+    group_by_length: bool = False,
+) -> TrainState:
     """Train `method` on `store` for opt.steps steps, checkpointing under out_dir; resumable.
 
     stop_after: stop (with a checkpoint) once this many steps are done, as a killed run would;
@@ -211,14 +224,14 @@ def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureSto
 
     out_dir = Path(out_dir)
     if store.hidden_size != config.hidden_size:
-        raise TrainError(f"features of hidden size {store.hidden_size} do not fit the base "
-                         f"model's {config.hidden_size}")
+        raise TrainError(
+            f"features of hidden size {store.hidden_size} do not fit the base model's {config.hidden_size}"
+        )
     sharder = Sharder(batch_size, devices)
     if constants is None:
         constants = method.constants(store, config)
     frozen = {"base": base_params, **constants}
-    params = method.init_params(jax.random.PRNGKey(seed), frozen, config) \
-        if init_params is None else init_params
+    params = method.init_params(jax.random.PRNGKey(seed), frozen, config) if init_params is None else init_params
     state = init_state(method, opt, params)
     mngr = _checkpoint_manager(out_dir / CKPT_DIR)
     restored = restore_checkpoint(mngr, state)
@@ -230,18 +243,26 @@ def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureSto
     frozen = sharder.replicate(frozen)
     end = opt.steps if stop_after is None else min(opt.steps, stop_after)
     lengths = np.minimum(store.lengths, max_len) if group_by_length else None
-    bar = tqdm(total=opt.steps, initial=start, disable=not progress, desc=f"train {method.name}",
-               unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=opt.steps,
+        initial=start,
+        disable=not progress,
+        desc=f"train {method.name}",
+        unit="step",
+        dynamic_ncols=True,
+    )
     with open(out_dir / METRICS_FILE, "a") as log:
         for step in range(start, end):
             ids = batch_ids(step, batch_size, len(store), seed, lengths)
             batch = store.batch(ids, max_len)
-            state, metrics = train_step(method, config, opt, state, frozen, sharder.batch(batch),
-                                        step_key(seed, step))
+            state, metrics = train_step(method, config, opt, state, frozen, sharder.batch(batch), step_key(seed, step))
             m = jax.device_get(metrics)
-            row = {"step": step + 1, "loss": float(m["loss"]),
-                   "grad_norm": float(m["grad_norm"]),
-                   "acc": [float(a) for a in np.atleast_1d(m["acc_k"])]}
+            row = {
+                "step": step + 1,
+                "loss": float(m["loss"]),
+                "grad_norm": float(m["grad_norm"]),
+                "acc": [float(a) for a in np.atleast_1d(m["acc_k"])],
+            }
             for k in ("vloss", "ploss", "kl", "alpha"):
                 if k in m:
                     row[k] = float(m[k])
@@ -250,8 +271,7 @@ def fit(method: TrainMethod, config: ModelConfig, base_params, store: FeatureSto
             log.write(json.dumps(row) + "\n")
             log.flush()
             bar.update(1)
-            bar.set_postfix_str(f"loss {row['loss']:.3f} acc " +
-                                " ".join(f"{a:.2f}" for a in row["acc"]))
+            bar.set_postfix_str(f"loss {row['loss']:.3f} acc " + " ".join(f"{a:.2f}" for a in row["acc"]))
             if (step + 1) % save_every == 0 or step + 1 == end:
                 save_checkpoint(mngr, state)
     if int(state.step) == end and mngr.latest_step() != end:
@@ -293,14 +313,14 @@ def plot_metrics(out_dir, title: str = "") -> Path | None:
     a1.plot(steps, loss, alpha=0.35, label="loss")
     w = max(1, len(loss) // 50)
     if w > 1:
-        a1.plot(steps[w - 1:], np.convolve(loss, np.ones(w) / w, "valid"), label=f"mean of {w}")
+        a1.plot(steps[w - 1 :], np.convolve(loss, np.ones(w) / w, "valid"), label=f"mean of {w}")
     a1.set_xlabel("step")
     a1.set_ylabel("loss")
     a1.legend()
     for k in range(acc.shape[1]):
         a = acc[:, k]
         a = np.convolve(a, np.ones(w) / w, "valid") if w > 1 else a
-        a2.plot(steps[len(steps) - len(a):], a, label=f"head {k}")
+        a2.plot(steps[len(steps) - len(a) :], a, label=f"head {k}")
     a2.set_xlabel("step")
     a2.set_ylabel("top-1 accuracy")
     a2.set_ylim(0, 1)
@@ -354,8 +374,9 @@ class TrainConfig:
     extra_data: tuple = ()  # other data folders whose features are trained on as well
 
     def optim(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, steps=self.steps, warmup=self.warmup,
-                           weight_decay=self.weight_decay, clip=self.clip)
+        return OptimConfig(
+            lr=self.lr, steps=self.steps, warmup=self.warmup, weight_decay=self.weight_decay, clip=self.clip
+        )
 
     @property
     def data_dir(self) -> Path:
@@ -376,34 +397,38 @@ def check_out_dir(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> None:
     if run_file.exists():
         old = json.loads(run_file.read_text())
         if old.get("method") != cfg.method:
-            raise TrainError(f"output folder {out} holds a {old.get('method')} training run, not "
-                             f"{cfg.method}: use another --out")
+            raise TrainError(
+                f"output folder {out} holds a {old.get('method')} training run, not {cfg.method}: use another --out"
+            )
         if old.get("hidden_size") != hidden_size or old.get("vocab_size") != vocab_size:
-            raise TrainError(f"output folder {out} holds heads for hidden_size "
-                             f"{old.get('hidden_size')} / vocab_size {old.get('vocab_size')}; the "
-                             f"base model has hidden_size {hidden_size} / vocab_size {vocab_size}")
+            raise TrainError(
+                f"output folder {out} holds heads for hidden_size "
+                f"{old.get('hidden_size')} / vocab_size {old.get('vocab_size')}; the "
+                f"base model has hidden_size {hidden_size} / vocab_size {vocab_size}"
+            )
         new = _as_json(dataclasses.asdict(cfg))
-        defaults = _as_json({f.name: f.default for f in dataclasses.fields(TrainConfig)
-                             if f.default is not dataclasses.MISSING})
+        defaults = _as_json(
+            {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+        )
         for k, v in new.items():
             # a setting newer than the run's file had its default there
             was = old["config"].get(k, defaults.get(k))
             if k not in _RESUMABLE and was != v:
-                raise TrainError(f"output folder {out} holds a run with {k}={was!r}, "
-                                 f"not {v!r}: use another --out (or the same settings to resume)")
+                raise TrainError(
+                    f"output folder {out} holds a run with {k}={was!r}, "
+                    f"not {v!r}: use another --out (or the same settings to resume)"
+                )
     heads = out / HEADS_DIR / FORMAT_FILE
     if heads.exists():
         kind = json.loads(heads.read_text()).get("kind")
         if kind != _method_kind(cfg.method):
-            raise TrainError(f"output folder {out} holds {kind} heads, not {cfg.method}: use "
-                             "another --out")
+            raise TrainError(f"output folder {out} holds {kind} heads, not {cfg.method}: use another --out")
     if not run_file.exists() and (out / CKPT_DIR).exists():
-        raise TrainError(f"output folder {out} holds checkpoints of an unknown run "
-                         f"(no {RUN_FILE}): use another --out")
+        raise TrainError(f"output folder {out} holds checkpoints of an unknown run (no {RUN_FILE}): use another --out")
 
 
 def _method_kind(name: str) -> str:
-    from specjax.training.methods import METHODS
+    from specjax.training.trainers import METHODS
 
     return METHODS[name].kind if name in METHODS else name
 
@@ -411,9 +436,17 @@ def _method_kind(name: str) -> str:
 def _write_run_file(cfg: TrainConfig, hidden_size: int, vocab_size: int) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps({"method": cfg.method, "hidden_size": hidden_size,
-                                            "vocab_size": vocab_size,
-                                            "config": dataclasses.asdict(cfg)}, indent=2))
+    (out / RUN_FILE).write_text(
+        json.dumps(
+            {
+                "method": cfg.method,
+                "hidden_size": hidden_size,
+                "vocab_size": vocab_size,
+                "config": dataclasses.asdict(cfg),
+            },
+            indent=2,
+        )
+    )
 
 
 def _as_json(d: dict) -> dict:
@@ -437,8 +470,7 @@ def select_prompts(cfg: TrainConfig, records, tokenizer):
     taken = set(train)
     rest = [i for i in range(len(records)) if i not in taken]
     sub = [records[i] for i in rest]
-    held = spread_over_categories(sub, cfg.eval_prompts,
-                                  lambda j: sub[j].is_text or fits(rest[j]))
+    held = spread_over_categories(sub, cfg.eval_prompts, lambda j: sub[j].is_text or fits(rest[j]))
     return train, [rest[j] for j in held]
 
 
@@ -455,8 +487,9 @@ def training_store(root: Path, extra_data: Sequence[str], data_dir: Path) -> Fea
             raise TrainError(f"--extra-data {d} is the run's own data folder")
         sub = Path(d) / FEATURES_DIR / root.name
         if not (sub / "meta.json").exists():
-            raise TrainError(f"--extra-data {d} has no {root.name} features: extract them with "
-                             f"--data {d} --until features first")
+            raise TrainError(
+                f"--extra-data {d} has no {root.name} features: extract them with --data {d} --until features first"
+            )
         try:
             parts.append(FeatureStore(sub))
         except ValueError as e:
@@ -467,15 +500,14 @@ def training_store(root: Path, extra_data: Sequence[str], data_dir: Path) -> Fea
         raise TrainError(str(e)) from None
 
 
-def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = True,
-        model=None) -> dict:
+def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = True, model=None) -> dict:
     """The whole pipeline up to cfg.until; returns paths and results of the stages run."""
     from specjax.cpu.matmul import unpack_params
     from specjax.heads import save_heads
     from specjax.loading import load_model
     from specjax.training.data import DistillConfig, distill, read_prompt_file, sequences_of
     from specjax.training.features import extract_features
-    from specjax.training.methods import make_method
+    from specjax.training.trainers import make_method
 
     if cfg.until not in STAGES:
         raise TrainError(f"unknown stage '{cfg.until}' (stages: {', '.join(STAGES)})")
@@ -500,18 +532,25 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
         train_idx = [i for i in train_idx if i in done]
         if not train_idx:
             raise TrainError(f"--only-distilled: no selected prompt is answered in {cfg.data_dir}")
-    dcfg = DistillConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed,
-                         cfg.distill_batch)
+    dcfg = DistillConfig(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed, cfg.distill_batch)
     t0 = time.perf_counter()
-    rows = distill(model, records, train_idx, cfg.data_dir, dcfg,
-                   max_prompt_tokens=cfg.max_prompt_tokens, progress=progress)
+    rows = distill(
+        model, records, train_idx, cfg.data_dir, dcfg, max_prompt_tokens=cfg.max_prompt_tokens, progress=progress
+    )
     result["distill_seconds"] = time.perf_counter() - t0
     result["sequences"] = len(rows)
     if cfg.until == "distill":
         return result
     spec = method.feature_spec(config, cfg.feature_dtype)
-    root = extract_features(plain_params, config, sequences_of(rows, cfg.max_len), cfg.data_dir,
-                            spec, batch_size=cfg.feature_batch, progress=progress)
+    root = extract_features(
+        plain_params,
+        config,
+        sequences_of(rows, cfg.max_len),
+        cfg.data_dir,
+        spec,
+        batch_size=cfg.feature_batch,
+        progress=progress,
+    )
     result["features"] = str(root)
     if cfg.until == "features":
         return result
@@ -519,19 +558,37 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     result["train_sequences"] = len(store)
     constants = method.constants(store, config, cfg.init_heads)
     t0 = time.perf_counter()
-    state = fit(method, config, plain_params, store, cfg.out, cfg.optim(),
-                batch_size=cfg.batch_size, max_len=cfg.max_len, seed=cfg.seed,
-                save_every=cfg.save_every, init_params=init_params, stop_after=stop_after,
-                progress=progress, constants=constants, group_by_length=cfg.group_by_length)
+    state = fit(
+        method,
+        config,
+        plain_params,
+        store,
+        cfg.out,
+        cfg.optim(),
+        batch_size=cfg.batch_size,
+        max_len=cfg.max_len,
+        seed=cfg.seed,
+        save_every=cfg.save_every,
+        init_params=init_params,
+        stop_after=stop_after,
+        progress=progress,
+        constants=constants,
+        group_by_length=cfg.group_by_length,
+    )
     result["train_seconds"] = time.perf_counter() - t0
     result["state"] = state
     result["plot"] = str(plot_metrics(cfg.out, f"{cfg.method} on {Path(cfg.base).name}"))
     if int(state.step) < cfg.steps:  # stopped early: no heads yet
         return result
-    variables, meta = method.export(jax.device_get(state.params), jax.device_get(constants),
-                                    config)
-    meta.update({"base_model": cfg.base, "trained_steps": int(state.step),
-                 "train_prompts": len(store), "prompts_file": Path(cfg.prompts).name})
+    variables, meta = method.export(jax.device_get(state.params), jax.device_get(constants), config)
+    meta.update(
+        {
+            "base_model": cfg.base,
+            "trained_steps": int(state.step),
+            "train_prompts": len(store),
+            "prompts_file": Path(cfg.prompts).name,
+        }
+    )
     heads = save_heads(Path(cfg.out) / HEADS_DIR, method.kind, variables, meta)
     result["heads"] = str(heads)
     if cfg.until == "train" or not eval_idx:
@@ -539,8 +596,14 @@ def run(cfg: TrainConfig, *, stop_after: int | None = None, progress: bool = Tru
     from specjax.training.evaluate import evaluate, write_report
 
     proposer, pparams = method.proposer(heads, model)
-    report = evaluate(model, proposer, pparams, [records[i] for i in eval_idx],
-                      max_new_tokens=cfg.eval_max_new_tokens, progress=progress)
+    report = evaluate(
+        model,
+        proposer,
+        pparams,
+        [records[i] for i in eval_idx],
+        max_new_tokens=cfg.eval_max_new_tokens,
+        progress=progress,
+    )
     write_report(Path(cfg.out) / "eval.json", report, method=cfg.method)
     result["eval"] = report
     return result

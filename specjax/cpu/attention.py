@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels_pallas.tree_paged_attention_reference import attention_with_new_rows
 from specjax.cpu.native import register
+from specjax.kernels_pallas.tree_paged_attention_reference import attention_with_new_rows
 
 TARGET = "specjax_paged_attention"
 
@@ -31,40 +31,58 @@ TARGET = "specjax_paged_attention"
 def kernel_applies(q, k_pages) -> bool:
     """Whether the kernel takes q [B, T, H, D] over pools k_pages [KVH, P, page_size, D]."""
     d = q.shape[-1]
-    return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32 and d % 64 == 0
-            and d <= 256 and q.shape[2] % k_pages.shape[0] == 0)
+    return (
+        q.dtype == jnp.float32
+        and k_pages.dtype == jnp.float32
+        and d % 64 == 0
+        and d <= 256
+        and q.shape[2] % k_pages.shape[0] == 0
+    )
 
 
 def _reference(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale):
-    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k_new, v_new,
-                                   scale=scale)
+    return attention_with_new_rows(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale=scale)
 
 
 def _kernel(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-        q, k_pages, v_pages, block_tables.astype(jnp.int32), mask, k_new, v_new,
-        scale=np.float32(scale))
+        q, k_pages, v_pages, block_tables.astype(jnp.int32), mask, k_new, v_new, scale=np.float32(scale)
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _attention(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale):
     return jax.lax.platform_dependent(
-        q, k_pages, v_pages, block_tables, mask, k_new, v_new,
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        mask,
+        k_new,
+        v_new,
         cpu=functools.partial(_kernel, scale=scale),
-        default=functools.partial(_reference, scale=scale))
+        default=functools.partial(_reference, scale=scale),
+    )
 
 
 def _fwd(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale):
-    return (_attention(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale),
-            (q, k_pages, v_pages, block_tables, mask, k_new, v_new))
+    return (
+        _attention(q, k_pages, v_pages, block_tables, mask, k_new, v_new, scale),
+        (q, k_pages, v_pages, block_tables, mask, k_new, v_new),
+    )
 
 
 def _bwd(scale, res, g):
     q, k_pages, v_pages, block_tables, mask, k_new, v_new = res
     _, pullback = jax.vjp(
         lambda q, kp, vp, kn, vn: _reference(q, kp, vp, block_tables, mask, kn, vn, scale),
-        q, k_pages, v_pages, k_new, v_new)
+        q,
+        k_pages,
+        v_pages,
+        k_new,
+        v_new,
+    )
     dq, dkp, dvp, dkn, dvn = pullback(g)
     return dq, dkp, dvp, None, None, dkn, dvn
 
@@ -72,8 +90,7 @@ def _bwd(scale, res, g):
 _attention.defvjp(_fwd, _bwd)
 
 
-def cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k_new=None, v_new=None, *,
-                        scale=None):
+def cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k_new=None, v_new=None, *, scale=None):
     """Attention of q [B, T, H, D] (float32) over each sequence's page slots (block_tables
     [B, n] into pools [KVH, P, page_size, D]) followed by the rows k_new, v_new [B, Tn, KVH, D]
     of a pass not yet written (none by default), where mask [B, T, n * page_size + Tn] allows.
@@ -82,9 +99,8 @@ def cpu_paged_attention(q, k_pages, v_pages, block_tables, mask, k_new=None, v_n
     kvh = k_pages.shape[0]
     if k_new is None:
         k_new = v_new = jnp.zeros((b, 0, kvh, d), q.dtype)
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = d**-0.5 if scale is None else float(scale)
     reason = register()
     if reason is not None:
         raise RuntimeError(f"CPU attention kernel unavailable: {reason}")
-    return _attention(q, k_pages, v_pages, block_tables, mask, k_new.astype(q.dtype),
-                      v_new.astype(q.dtype), scale)
+    return _attention(q, k_pages, v_pages, block_tables, mask, k_new.astype(q.dtype), v_new.astype(q.dtype), scale)

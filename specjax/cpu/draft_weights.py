@@ -37,13 +37,11 @@ def draft_weights(tree):
     float16 (kept float32 if a value does not fit) or int8."""
     if not kernel_in_use():
         return tree
-    is_mat = lambda a: (isinstance(a, PackedWeight)  # noqa: E731
-                        or (getattr(a, "ndim", 0) == 2 and a.dtype == jnp.float32))
+    is_mat = lambda a: isinstance(a, PackedWeight) or (getattr(a, "ndim", 0) == 2 and a.dtype == jnp.float32)
     mats = [a for a in jax.tree_util.tree_leaves(tree, is_leaf=is_mat) if is_mat(a)]
     kind = _DRAFT_SETTING.get()
     kind = DRAFT_AUTO if kind == "auto" else kind
-    if kind == "float16" and not all(
-            bool(jnp.all(jnp.abs(as_array(a)) <= jnp.finfo(jnp.float16).max)) for a in mats):
+    if kind == "float16" and not all(bool(jnp.all(jnp.abs(as_array(a)) <= jnp.finfo(jnp.float16).max)) for a in mats):
         kind = "float32"
 
     def convert(a):

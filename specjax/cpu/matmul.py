@@ -39,9 +39,11 @@ from specjax.settings import CPU_MATMUL as _SETTING
 ENV_VAR = _SETTING.name
 SETTINGS = _SETTING.choices
 TARGET = "specjax_rows_matmul"  # the float32-weight target; float16 adds "_f16", int8 "_s8"
-TARGETS = {jnp.dtype(jnp.float32): TARGET,
-           jnp.dtype(jnp.float16): "specjax_rows_matmul_f16",
-           jnp.dtype(jnp.int8): "specjax_rows_matmul_s8"}
+TARGETS = {
+    jnp.dtype(jnp.float32): TARGET,
+    jnp.dtype(jnp.float16): "specjax_rows_matmul_f16",
+    jnp.dtype(jnp.int8): "specjax_rows_matmul_s8",
+}
 # Up to this many rows of a plain weight the kernel (up to 14 rows per pass over the weight with
 # AVX-512, 6 with AVX2, the later passes from cache) takes the product, packing the weight on the
 # way; more (an unpacked model's prefill, training batches) take XLA's GEMM.
@@ -77,10 +79,17 @@ def kernel_in_use() -> bool:
 def kernel_applies(x, w, out_dtype=None) -> bool:
     """Whether `linear` takes the kernel for x [M, K] times w [N, K] (decided at trace time):
     up to MAX_ROWS rows, any number for a `PackedWeight` (a prefill's too)."""
-    fits = (x.ndim == 2 and w.ndim == 2 and x.dtype == jnp.float32 and w.dtype in TARGETS
-            and (w.dtype != jnp.int8 or isinstance(w, PackedWeight))  # int8 needs its scale
-            and out_dtype in (None, jnp.float32) and x.shape[0] >= 1 and w.shape[0] >= 1
-            and (x.shape[0] <= MAX_ROWS or isinstance(w, PackedWeight)))
+    fits = (
+        x.ndim == 2
+        and w.ndim == 2
+        and x.dtype == jnp.float32
+        and w.dtype in TARGETS
+        and (w.dtype != jnp.int8 or isinstance(w, PackedWeight))  # int8 needs its scale
+        and out_dtype in (None, jnp.float32)
+        and x.shape[0] >= 1
+        and w.shape[0] >= 1
+        and (x.shape[0] <= MAX_ROWS or isinstance(w, PackedWeight))
+    )
     return fits and kernel_in_use()
 
 
@@ -96,15 +105,15 @@ def int8_weight(w) -> PackedWeight:
 
 @lru_cache(maxsize=None)
 def _warn_once(reason: str) -> None:
-    warnings.warn(f"specjax: CPU matmul kernel not used ({reason}); XLA's product runs instead",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"specjax: CPU matmul kernel not used ({reason}); XLA's product runs instead", RuntimeWarning, stacklevel=3
+    )
 
 
 PANEL = 32  # weight rows per panel of the kernel's layout
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scale"],
-                   meta_fields=["rows"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scale"], meta_fields=["rows"])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A weight [rows, K] in the kernel's layout: panels [ceil(rows / 32), K, 32], panel q holding
@@ -132,8 +141,8 @@ class PackedWeight:
     def unpack(self) -> jax.Array:
         """The weight as [rows, K] (an int8 weight float32, times its scale)."""
         p, k, _ = self.panels.shape
-        w = jnp.swapaxes(self.panels, 1, 2).reshape(p * PANEL, k)[:self.rows]
-        return w if self.scale is None else w.astype(jnp.float32) * self.scale[:self.rows, None]
+        w = jnp.swapaxes(self.panels, 1, 2).reshape(p * PANEL, k)[: self.rows]
+        return w if self.scale is None else w.astype(jnp.float32) * self.scale[: self.rows, None]
 
 
 def pack_weight(w) -> PackedWeight:
@@ -168,8 +177,8 @@ def pack_params(params):
     """Model parameters (`specjax.model`) with every linear weight and the output head packed
     for the kernel (`PackedWeight`), when the kernel takes products now; else unchanged.
 
-    The embedding stays [V, D] for token lookups (a row of the panels is 576 strided reads, ~5 us
-    a token: ~0.2 ms of an EAGLE step's draft and verify lookups); a tied model's head is packed
+    The embedding stays [V, D] for token lookups (a row of the panels would be one strided read
+    per hidden unit); a tied model's head is packed
     beside it as `tied_head` (`specjax.model.lm_head_weight` reads it)."""
     if not kernel_in_use() or params["embed"].dtype != jnp.float32:
         return params
@@ -189,8 +198,7 @@ def unpack_params(params):
     them); no-op on plain parameters."""
     layers = [{k: as_array(v) for k, v in layer.items()} for layer in params["layers"]]
     plain = {k: v for k, v in params.items() if k != "tied_head"}
-    return {**plain, "layers": layers,
-            **{k: as_array(params[k]) for k in ("embed", "lm_head") if k in params}}
+    return {**plain, "layers": layers, **{k: as_array(params[k]) for k in ("embed", "lm_head") if k in params}}
 
 
 def _xla_rows(rows, x, panels, scale=None):
@@ -214,8 +222,9 @@ def rows_matmul(x, w):
 @jax.custom_vjp
 def _packed_rows(x, w: PackedWeight):
     args = (x, w.panels) if w.scale is None else (x, w.panels, w.scale)
-    return jax.lax.platform_dependent(*args, cpu=functools.partial(_ffi_rows, w.rows),
-                                      default=functools.partial(_xla_rows, w.rows))
+    return jax.lax.platform_dependent(
+        *args, cpu=functools.partial(_ffi_rows, w.rows), default=functools.partial(_xla_rows, w.rows)
+    )
 
 
 def _fwd(x, w):

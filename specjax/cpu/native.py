@@ -27,12 +27,14 @@ _DIR = Path(__file__).parent
 SOURCES = tuple(sorted(_DIR.glob("*.cc")))
 HEADERS = tuple(sorted(_DIR.glob("*.h")))
 # FFI target name -> handler symbol in the library.
-TARGETS = {"specjax_rows_matmul": "SpecjaxRowsMatmul",
-           "specjax_rows_matmul_f16": "SpecjaxRowsMatmulF16",
-           "specjax_rows_matmul_s8": "SpecjaxRowsMatmulS8",
-           "specjax_paged_attention": "SpecjaxPagedAttention",
-           "specjax_top_log_probs": "SpecjaxTopLogProbs",
-           "specjax_swiglu": "SpecjaxSwiglu"}
+TARGETS = {
+    "specjax_rows_matmul": "SpecjaxRowsMatmul",
+    "specjax_rows_matmul_f16": "SpecjaxRowsMatmulF16",
+    "specjax_rows_matmul_s8": "SpecjaxRowsMatmulS8",
+    "specjax_paged_attention": "SpecjaxPagedAttention",
+    "specjax_top_log_probs": "SpecjaxTopLogProbs",
+    "specjax_swiglu": "SpecjaxSwiglu",
+}
 
 
 @lru_cache(maxsize=1)
@@ -78,8 +80,19 @@ def register() -> str | None:
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
-        cmd = [compiler(), "-O3", "-march=native", "-shared", "-fPIC",
-               "-std=c++17", "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
+        cmd = [
+            compiler(),
+            "-O3",
+            "-march=native",
+            "-shared",
+            "-fPIC",
+            "-std=c++17",
+            "-I",
+            jax.ffi.include_dir(),
+            *map(str, SOURCES),
+            "-o",
+            tmp,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
@@ -88,6 +101,5 @@ def register() -> str | None:
         os.replace(tmp, lib)
     handle = ctypes.cdll.LoadLibrary(str(lib))
     for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
-                                    platform="cpu")
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
     return None

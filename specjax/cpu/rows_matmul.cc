@@ -7,8 +7,9 @@
 // from registers. Outputs accumulate in vector lanes, so there are no lane sums, and x comes in
 // as broadcast loads: with the weight in cache the products ran at ~95% of the cores' FMA peak,
 // where the row-major kernel this replaced (a dot product per weight row) ran at about half, and
-// more of that arithmetic hides under the memory stream (README, "What one verify pass costs"). The stream is prefetched into
-// L2 a few KB ahead (into L1 the prefetches wait on the core's few L1 miss buffers).
+// more of that arithmetic hides under the memory stream (README, "What one verify pass costs"). The
+// stream is prefetched into L2 a few KB ahead (into L1 the prefetches wait on the core's few L1
+// miss buffers).
 //
 // Every output is the sequential sum over k of fma(x[m, k], w[n, k], .), whatever M, the panel,
 // the pass, the thread split or the instruction set: a row's result does not depend on how many
@@ -23,10 +24,10 @@ namespace {
 
 using namespace specjax_cpu;
 
-constexpr int64_t kPanel = 32;                // weight rows per panel
-constexpr int kGroup = 2;                     // vectors of a panel per pass over it
+constexpr int64_t kPanel = 32;                     // weight rows per panel
+constexpr int kGroup = 2;                          // vectors of a panel per pass over it
 constexpr int kGroups = kPanel / kLanes / kGroup;  // 1 with AVX-512, 2 with AVX2
-constexpr int64_t kAhead = 4096;              // prefetch distance in the stream, bytes
+constexpr int64_t kAhead = 4096;                   // prefetch distance in the stream, bytes
 // Rows per pass: 2 accumulators per row, 2 weight vectors and a broadcast in the register file
 // (32 registers with AVX-512, 16 with AVX2).
 #if defined(__AVX512F__)

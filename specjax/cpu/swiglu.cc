@@ -67,7 +67,8 @@ ffi::Error Swiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::ResultBuff
     rows(hp, yp, F, 0, M);
     return ffi::Error::Success();
   }
-  parallel_for(pool, tasks, [=](int64_t t) { rows(hp, yp, F, t * per, std::min(M, (t + 1) * per)); });
+  parallel_for(pool, tasks,
+               [=](int64_t t) { rows(hp, yp, F, t * per, std::min(M, (t + 1) * per)); });
   return ffi::Error::Success();
 }
 

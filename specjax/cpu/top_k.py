@@ -23,8 +23,7 @@ def _xla(k, x):
 
 
 def _ffi(k, x):
-    out = (jax.ShapeDtypeStruct((x.shape[0], k), jnp.float32),
-           jax.ShapeDtypeStruct((x.shape[0], k), jnp.int32))
+    out = (jax.ShapeDtypeStruct((x.shape[0], k), jnp.float32), jax.ShapeDtypeStruct((x.shape[0], k), jnp.int32))
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x)
 
 
@@ -36,8 +35,7 @@ def top_log_probs(logits, k: int):
         raise ValueError(f"top {k} of {v} logits: k must be in [1, {v}]")
     x = logits.reshape(-1, v).astype(jnp.float32)
     if kernel_in_use():
-        logp, ids = jax.lax.platform_dependent(
-            x, cpu=lambda a: _ffi(k, a), default=lambda a: _xla(k, a))
+        logp, ids = jax.lax.platform_dependent(x, cpu=lambda a: _ffi(k, a), default=lambda a: _xla(k, a))
     else:
         logp, ids = _xla(k, x)
     return logp.reshape(*lead, k), ids.reshape(*lead, k)

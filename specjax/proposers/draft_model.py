@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import PagedKVCache, init_pages
-from specjax.config import ModelConfig
 from specjax.draft_tree import chain
 from specjax.model import causal_mask, forward
+from specjax.model_config import ModelConfig
 from specjax.sampling import SamplingConfig, argmax_last, categorical, processed_logprobs
 from specjax.spec_decode import ProposerBase
 
@@ -43,8 +43,7 @@ class DraftModelState:
 def self_draft_params(target_params: dict, num_layers: int) -> dict:
     """A self-draft: the target's first `num_layers` layers with its final norm and head."""
     if not 1 <= num_layers <= len(target_params["layers"]):
-        raise ValueError(
-            f"draft layers must be in [1, {len(target_params['layers'])}], got {num_layers}")
+        raise ValueError(f"draft layers must be in [1, {len(target_params['layers'])}], got {num_layers}")
     return {**target_params, "layers": list(target_params["layers"][:num_layers])}
 
 
@@ -80,8 +79,16 @@ class DraftModelProposer(ProposerBase):
         b, w = prompt_chunk.shape
         cache = PagedKVCache(pools[0], pools[1], ctx.block_tables, jnp.zeros((b,), jnp.int32))
         valid = jnp.arange(w)[None, :] < prompt_len[:, None]
-        out = forward(params, self.config, prompt_chunk, jnp.broadcast_to(jnp.arange(w), (b, w)),
-                      cache, causal_mask(b, w), valid=valid, logits_at=jnp.zeros((b, 0), jnp.int32))
+        out = forward(
+            params,
+            self.config,
+            prompt_chunk,
+            jnp.broadcast_to(jnp.arange(w), (b, w)),
+            cache,
+            causal_mask(b, w),
+            valid=valid,
+            logits_at=jnp.zeros((b, 0), jnp.int32),
+        )
         return DraftModelState(out.cache.k_pages, out.cache.v_pages, prompt_len)
 
     def _draw(self, logits, keys, sampling: SamplingConfig):
@@ -100,8 +107,9 @@ class DraftModelProposer(ProposerBase):
         idx = dl[:, None] + jnp.arange(2)[None, :]
         chunk = ctx.tokens[rows[:, None], jnp.clip(idx, 0, s - 1)]
         valid = idx <= (length - 1)[:, None]
-        out = forward(params, self.config, chunk, idx, cache, causal_mask(b, 2), valid=valid,
-                      logits_at=(length - 1 - dl)[:, None])
+        out = forward(
+            params, self.config, chunk, idx, cache, causal_mask(b, 2), valid=valid, logits_at=(length - 1 - dl)[:, None]
+        )
         cache = out.cache.replace(lengths=length)
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.max_draft_len))(keys)
         tok, logq = self._draw(out.logits[:, 0], step_keys[:, 0], sampling)
@@ -109,13 +117,19 @@ class DraftModelProposer(ProposerBase):
 
         def step(carry, key_j):
             cache, tok = carry
-            o = forward(params, self.config, tok[:, None], cache.lengths[:, None], cache, one,
-                        logits_at=jnp.zeros((b, 1), jnp.int32))
+            o = forward(
+                params,
+                self.config,
+                tok[:, None],
+                cache.lengths[:, None],
+                cache,
+                one,
+                logits_at=jnp.zeros((b, 1), jnp.int32),
+            )
             nxt, lq = self._draw(o.logits[:, 0], key_j, sampling)
             return (o.cache.replace(lengths=cache.lengths + 1), nxt), (nxt, lq)
 
-        (cache, _), (rest, rest_logq) = jax.lax.scan(
-            step, (cache, tok), jnp.moveaxis(step_keys[:, 1:], 1, 0))
+        (cache, _), (rest, rest_logq) = jax.lax.scan(step, (cache, tok), jnp.moveaxis(step_keys[:, 1:], 1, 0))
         drafts = jnp.concatenate([tok[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
         draft_logq = None
         if logq is not None:

@@ -40,12 +40,22 @@ import numpy as np
 from flax import struct
 
 from specjax.cache import PagedKVCache, init_pages
-from specjax.config import ModelConfig
 from specjax.cpu.top_k import top_log_probs
-from specjax.draft_tree import (DRAWN_RULES, TREE_RULES, DraftTree, chain, check_confidence_floor,
-                                check_recursive_tree, drawn_static_tree, on_vocabulary,
-                                reaches_floor, static_draft_tree, static_tree)
+from specjax.draft_tree import (
+    DRAWN_RULES,
+    TREE_RULES,
+    DraftTree,
+    chain,
+    check_confidence_floor,
+    check_recursive_tree,
+    drawn_static_tree,
+    on_vocabulary,
+    reaches_floor,
+    static_draft_tree,
+    static_tree,
+)
 from specjax.model import causal_mask
+from specjax.model_config import ModelConfig
 from specjax.proposers.eagle3_net import Eagle3Net
 from specjax.proposers.eagle_net import EagleNet
 from specjax.sampling import gumbel_top_k, processed_logprobs
@@ -53,9 +63,31 @@ from specjax.spec_decode import ProposerBase
 
 # SafeAILab/EAGLE's default static tree (eagle/model/choices.py, "mc_sim_7b_63"): 25 nodes, depth 5.
 EAGLE_DEFAULT_TREE = (
-    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
-    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+    (0,),
+    (1,),
+    (2,),
+    (3,),
+    (0, 0),
+    (0, 1),
+    (0, 2),
+    (1, 0),
+    (1, 1),
+    (2, 0),
+    (2, 1),
+    (3, 0),
+    (0, 0, 0),
+    (0, 0, 1),
+    (0, 0, 2),
+    (0, 1, 0),
+    (0, 1, 1),
+    (0, 2, 0),
+    (0, 2, 1),
+    (1, 0, 0),
+    (0, 0, 0, 0),
+    (0, 0, 0, 1),
+    (0, 0, 0, 2),
+    (0, 0, 0, 0, 0),
+    (0, 0, 0, 0, 1),
 )
 
 
@@ -103,12 +135,10 @@ class _EagleBase(ProposerBase):
         check_confidence_floor(self.min_prob)
         if self.rule not in self.rules:
             names = ", ".join(self.rules[:-1]) + " or " * (len(self.rules) > 1) + self.rules[-1]
-            raise ValueError(f"this EAGLE proposer verifies with the {names} rule, not "
-                             f"{self.rule!r}")
+            raise ValueError(f"this EAGLE proposer verifies with the {names} rule, not {self.rule!r}")
 
     def _forward(self, params, cache, tokens, features, positions, mask, valid, slots=None):
-        return self.net.forward(params, self.config, tokens, features, positions, cache, mask,
-                                valid, slots=slots)
+        return self.net.forward(params, self.config, tokens, features, positions, cache, mask, valid, slots=slots)
 
     def _target_features(self, params, features):
         """The target's features as the draft reads them (EAGLE-3 fuses its three layers)."""
@@ -118,8 +148,7 @@ class _EagleBase(ProposerBase):
         """(log-probs, target token ids) of the draft's k best tokens after each hidden state."""
         rows = self.net.vocab_rows(params)
         if k > rows:
-            raise ValueError(f"the tree asks for the draft's top {k} tokens but its vocabulary "
-                             f"has {rows}")
+            raise ValueError(f"the tree asks for the draft's top {k} tokens but its vocabulary has {rows}")
         logp, ids = top_log_probs(self.net.logits(params, self.config, hidden), k)
         return logp, self.net.target_ids(params, ids).astype(jnp.int32)
 
@@ -164,9 +193,12 @@ class _EagleBase(ProposerBase):
         feats = self._target_features(params, ctx.path_hidden)
         h, cache = self._run_chain(params, cache, tok, feats, start, valid)
         last = jnp.take_along_axis(h, result.n_accepted[:, None, None], axis=1)[:, 0]
-        return EagleState(cache.k_pages, cache.v_pages,
-                          jnp.where(active, start + result.n_accepted + 1, start),
-                          jnp.where(active[:, None], last, state.next_hidden))
+        return EagleState(
+            cache.k_pages,
+            cache.v_pages,
+            jnp.where(active, start + result.n_accepted + 1, start),
+            jnp.where(active[:, None], last, state.next_hidden),
+        )
 
     def pools_of(self, state: EagleState):
         return (state.k_pages, state.v_pages)
@@ -195,20 +227,18 @@ class EagleChainProposer(_EagleBase):
 
         def step(carry, _):
             cache, h, tok = carry
-            out, cache = self._run_chain(params, cache, tok[:, None], h[:, None], cache.lengths,
-                                         one)
+            out, cache = self._run_chain(params, cache, tok[:, None], h[:, None], cache.lengths, one)
             cache = cache.replace(lengths=cache.lengths + 1)
             logp, nxt = (x[:, 0] for x in self._top(params, out[:, 0], 1))
             return (cache, out[:, 0], nxt), (nxt, logp)
 
         (cache, _, _), (rest, rest_logp) = jax.lax.scan(
-            step, (state.cache(ctx.block_tables), state.next_hidden, first), None,
-            length=self.max_draft_len - 1)
+            step, (state.cache(ctx.block_tables), state.next_hidden, first), None, length=self.max_draft_len - 1
+        )
         drafts = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
         num = jnp.full((b,), self.max_draft_len, jnp.int32)
         if self.min_prob > 0:  # the chain's prefix whose cumulative probability reaches it
-            score = jnp.cumsum(jnp.concatenate([logp0[:, None], jnp.moveaxis(rest_logp, 0, 1)],
-                                               axis=1), axis=1)
+            score = jnp.cumsum(jnp.concatenate([logp0[:, None], jnp.moveaxis(rest_logp, 0, 1)], axis=1), axis=1)
             num = jnp.sum(reaches_floor(score, self.min_prob), axis=1).astype(jnp.int32)
         tree = chain(self._pending(ctx), drafts, num)
         # The scratch pairs past `lengths` are rewritten by update(); lengths stay.
@@ -270,8 +300,11 @@ class EagleTreeProposer(_EagleBase):
             pick = (slice(None), at, rank[nodes])
             if drawn:
                 lq, to_target = self._draft_logprobs(params, hidden[:, parents], sampling)
-                ids, g = gumbel_top_k(jax.vmap(lambda k, d=d, n=len(parents): jax.random.split(
-                    jax.random.fold_in(k, d), n))(keys), lq, max_rank)  # [B, parents, R]
+                ids, g = gumbel_top_k(
+                    jax.vmap(lambda k, d=d, n=len(parents): jax.random.split(jax.random.fold_in(k, d), n))(keys),
+                    lq,
+                    max_rank,
+                )  # [B, parents, R]
                 tokens = tokens.at[:, nodes].set(to_target[ids[pick]])
                 real.append(g[pick] > -jnp.inf)
                 logq.append(on_vocabulary(lq, to_target, params["embed"].shape[0])[:, at])
@@ -284,13 +317,22 @@ class EagleTreeProposer(_EagleBase):
             slots = cache.lengths[:, None] + jnp.asarray(nodes - 1, jnp.int32)[None, :]
             mask = jnp.broadcast_to(jnp.asarray(anc[nodes][:, 1:]), (b, len(nodes), t - 1))
             positions = jnp.broadcast_to(cache.lengths[:, None] + d - 1, (b, len(nodes)))
-            h, cache = self._forward(params, cache, tokens[:, nodes], hidden[:, parent[nodes]],
-                                     positions, mask, jnp.ones((b, len(nodes)), bool), slots)
+            h, cache = self._forward(
+                params,
+                cache,
+                tokens[:, nodes],
+                hidden[:, parent[nodes]],
+                positions,
+                mask,
+                jnp.ones((b, len(nodes)), bool),
+                slots,
+            )
             hidden = hidden.at[:, nodes].set(h)
         state = state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
         if drawn:  # depths are runs of consecutive nodes, in order
-            return drawn_static_tree(tokens[:, 0], parent, depth, tokens[:, 1:],
-                                     jnp.concatenate(real, 1), jnp.concatenate(logq, 1)), state
+            return drawn_static_tree(
+                tokens[:, 0], parent, depth, tokens[:, 1:], jnp.concatenate(real, 1), jnp.concatenate(logq, 1)
+            ), state
         # A child never scores above its parent, so the kept nodes' paths are kept too.
         valid = jnp.ones((b, t), bool)
         if self.min_prob > 0:
@@ -318,17 +360,19 @@ class EagleDynamicProposer(_EagleBase):
             raise ValueError(
                 "traversal acceptance needs drawn trees whose shape is fixed: total_tokens - 1 "
                 f"<= top_k + 1 = {self.top_k + 1}, or top_k = 1 (wider beams past depth 1 "
-                "make one subtree's shape depend on another's draws)")
-        if self.rule in DRAWN_RULES and not self.recursive_fits(self.total_tokens, self.depth,
-                                                                self.top_k):
+                "make one subtree's shape depend on another's draws)"
+            )
+        if self.rule in DRAWN_RULES and not self.recursive_fits(self.total_tokens, self.depth, self.top_k):
             raise ValueError(
                 "recursive acceptance verifies beams of top_k nodes per depth: it needs "
                 f"total_tokens - 1 <= top_k * (depth + 1) = "
-                f"{self.top_k * (self.depth + 1)}")
+                f"{self.top_k * (self.depth + 1)}"
+            )
         if self.total_tokens - 1 > self.num_candidates:
             raise ValueError(
                 f"total_tokens={self.total_tokens} exceeds the {self.num_candidates} candidates "
-                f"that depth={self.depth} and top_k={self.top_k} draft (plus the root)")
+                f"that depth={self.depth} and top_k={self.top_k} draft (plus the root)"
+            )
 
     @property
     def tree_size(self) -> int:
@@ -341,7 +385,7 @@ class EagleDynamicProposer(_EagleBase):
 
     @property
     def num_candidates(self) -> int:
-        return self.top_k + self.depth * self.top_k ** 2
+        return self.top_k + self.depth * self.top_k**2
 
     @property
     def draft_scratch(self) -> int:
@@ -375,8 +419,9 @@ class EagleDynamicProposer(_EagleBase):
         mask = beam["anc"] | jnp.zeros((k, j_all), bool).at[jnp.arange(k), col].set(True)[None]
         slots = cache.lengths[:, None] + col[None, :]
         positions = jnp.broadcast_to((cache.lengths + i)[:, None], (b, k))
-        h, cache = self._forward(params, cache, beam["tok"], beam["feat"], positions, mask,
-                                 jnp.ones((b, k), bool), slots)
+        h, cache = self._forward(
+            params, cache, beam["tok"], beam["feat"], positions, mask, jnp.ones((b, k), bool), slots
+        )
         return h, cache, mask
 
     def propose(self, params, state: EagleState, ctx, keys, sampling):
@@ -387,8 +432,9 @@ class EagleDynamicProposer(_EagleBase):
         cache = state.cache(ctx.block_tables)
         rows = jnp.arange(b)[:, None]
         score0, tok0 = self._top(params, state.next_hidden, k)  # [B, K]
-        frontier = dict(tok=tok0, score=score0, cand=jnp.broadcast_to(jnp.arange(k), (b, k)),
-                        **_first_beam(state, k, j_all))
+        frontier = dict(
+            tok=tok0, score=score0, cand=jnp.broadcast_to(jnp.arange(k), (b, k)), **_first_beam(state, k, j_all)
+        )
 
         def expand(carry, i):
             cache, f = carry
@@ -399,21 +445,25 @@ class EagleDynamicProposer(_EagleBase):
             par = jnp.broadcast_to(f["cand"][:, :, None], (b, k, k)).reshape(b, k * k)
             best = jax.lax.top_k(cs, k)[1]  # the next frontier
             src = best // k
-            nf = dict(tok=tok[rows, best], score=cs[rows, best], cand=k + i * k * k + best,
-                      feat=h[rows, src], anc=mask[rows, src])
+            nf = dict(
+                tok=tok[rows, best],
+                score=cs[rows, best],
+                cand=k + i * k * k + best,
+                feat=h[rows, src],
+                anc=mask[rows, src],
+            )
             return (cache, nf), (tok, cs, par)
 
-        (cache, _), (tok_l, cs_l, par_l) = jax.lax.scan(expand, (cache, frontier),
-                                                         jnp.arange(self.depth))
+        (cache, _), (tok_l, cs_l, par_l) = jax.lax.scan(expand, (cache, frontier), jnp.arange(self.depth))
         # Candidates in layer order, so every parent precedes its children.
-        flat = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1)  # noqa: E731
+        flat = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1)
         c_tok = jnp.concatenate([tok0, flat(tok_l)], axis=1)
         c_score = jnp.concatenate([score0, flat(cs_l)], axis=1)
         c_par = jnp.concatenate([jnp.full((b, k), -1, jnp.int32), flat(par_l)], axis=1)
-        layer = np.concatenate([np.ones(k, np.int32)] +
-                               [np.full(k * k, i + 2, np.int32) for i in range(self.depth)])
-        tree = _select(c_tok, c_score, c_par, jnp.asarray(layer), self.total_tokens - 1,
-                       self._pending(ctx), self.min_prob)
+        layer = np.concatenate([np.ones(k, np.int32)] + [np.full(k * k, i + 2, np.int32) for i in range(self.depth)])
+        tree = _select(
+            c_tok, c_score, c_par, jnp.asarray(layer), self.total_tokens - 1, self._pending(ctx), self.min_prob
+        )
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
 
     def _propose_sampled(self, params, state: EagleState, ctx, keys, sampling):
@@ -440,59 +490,74 @@ class EagleDynamicProposer(_EagleBase):
             value g [B, n]): draft-vocabulary ids, path log-probs and values [B, n, k]."""
             ids, top = gumbel_top_k(key, logq, k)
             top = phi[..., None] + top  # perturbed path log-probs, the largest first
-            return ids, phi[..., None] + jnp.take_along_axis(logq, ids, -1), \
-                _truncated_gumbel(g[..., None], top, top[..., :1])
+            return (
+                ids,
+                phi[..., None] + jnp.take_along_axis(logq, ids, -1),
+                _truncated_gumbel(g[..., None], top, top[..., :1]),
+            )
 
         logq0, to_target = self._draft_logprobs(params, state.next_hidden[:, None], sampling)
         vocab = params["embed"].shape[0]
         zero = jnp.zeros((b, 1), jnp.float32)
         ids, phi, g = (x[:, 0] for x in children(level_keys[:, 0], logq0, zero, zero))
         tok = to_target[ids]
-        first = dict(tok=tok, phi=phi, g=g, node=1 + jnp.broadcast_to(jnp.arange(k), (b, k)),
-                     **_first_beam(state, k, j_all))
-        level = dict(tok=tok, parent=jnp.zeros((b, k), jnp.int32), g=g,
-                     logq=jnp.broadcast_to(on_vocabulary(logq0, to_target, vocab), (b, k, vocab)))
+        first = dict(
+            tok=tok, phi=phi, g=g, node=1 + jnp.broadcast_to(jnp.arange(k), (b, k)), **_first_beam(state, k, j_all)
+        )
+        level = dict(
+            tok=tok,
+            parent=jnp.zeros((b, k), jnp.int32),
+            g=g,
+            logq=jnp.broadcast_to(on_vocabulary(logq0, to_target, vocab), (b, k, vocab)),
+        )
 
         def expand(carry, i):
             cache, f = carry
             h, cache, mask = self._run_beam(params, cache, f, i)
             logq = self._draft_logprobs(params, h, sampling)[0]  # [B, K, R]
-            ids, phi, g = (x.reshape(b, k * k) for x in
-                           children(level_keys[:, i + 1], logq, f["phi"], f["g"]))
+            ids, phi, g = (x.reshape(b, k * k) for x in children(level_keys[:, i + 1], logq, f["phi"], f["g"]))
             tok = to_target[ids]
             best = jax.lax.top_k(g, k)[1]  # the next beam, siblings in their draw order
             src = best // k
-            nf = dict(tok=tok[rows, best], phi=phi[rows, best], g=g[rows, best],
-                      node=1 + (i + 1) * k + jnp.broadcast_to(jnp.arange(k), (b, k)),
-                      feat=h[rows, src], anc=mask[rows, src])
-            out = dict(tok=nf["tok"], parent=f["node"][rows, src], g=nf["g"],
-                       logq=on_vocabulary(logq[rows, src], to_target, vocab))
+            nf = dict(
+                tok=tok[rows, best],
+                phi=phi[rows, best],
+                g=g[rows, best],
+                node=1 + (i + 1) * k + jnp.broadcast_to(jnp.arange(k), (b, k)),
+                feat=h[rows, src],
+                anc=mask[rows, src],
+            )
+            out = dict(
+                tok=nf["tok"],
+                parent=f["node"][rows, src],
+                g=nf["g"],
+                logq=on_vocabulary(logq[rows, src], to_target, vocab),
+            )
             return (cache, nf), out
 
         (cache, _), deeper = jax.lax.scan(expand, (cache, first), jnp.arange(passes))
         n = self.total_tokens - 1
-        flat = lambda x, y: jnp.concatenate(  # noqa: E731  level-major, cut to n nodes
-            [x, jnp.moveaxis(y, 0, 1).reshape((b, -1) + x.shape[2:])], axis=1)[:, :n]
-        tok, parent, g, logq = (flat(level[key], deeper[key]) for key in
-                                ("tok", "parent", "g", "logq"))
+        flat = lambda x, y: jnp.concatenate([x, jnp.moveaxis(y, 0, 1).reshape((b, -1) + x.shape[2:])], axis=1)[:, :n]
+        tok, parent, g, logq = (flat(level[key], deeper[key]) for key in ("tok", "parent", "g", "logq"))
         depth = np.repeat(np.arange(1, self.levels + 1, dtype=np.int32), k)[:n]
         valid = jnp.concatenate([jnp.ones((b, 1), bool), g > -jnp.inf], axis=1)
         tree = DraftTree(
-            tokens=jnp.concatenate([self._pending(ctx)[:, None], jnp.where(g > -jnp.inf, tok, 0)],
-                                   axis=1),
+            tokens=jnp.concatenate([self._pending(ctx)[:, None], jnp.where(g > -jnp.inf, tok, 0)], axis=1),
             parent=jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1),
             depth=jnp.broadcast_to(jnp.asarray(np.concatenate([[0], depth])), (b, n + 1)),
             valid=valid,
-            draft_logprobs=jnp.concatenate([jnp.zeros_like(logq[:, :1]), logq], axis=1))
+            draft_logprobs=jnp.concatenate([jnp.zeros_like(logq[:, :1]), logq], axis=1),
+        )
         return tree, state.replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
 
 
 def _first_beam(state: EagleState, k: int, j_all: int) -> dict:
     """What the first beam's k nodes share: the root's draft output, no scratch ancestors."""
     b = state.next_hidden.shape[0]
-    return dict(feat=jnp.broadcast_to(state.next_hidden[:, None], (b, k) +
-                                      state.next_hidden.shape[1:]),
-                anc=jnp.zeros((b, k, j_all), bool))
+    return dict(
+        feat=jnp.broadcast_to(state.next_hidden[:, None], (b, k) + state.next_hidden.shape[1:]),
+        anc=jnp.zeros((b, k, j_all), bool),
+    )
 
 
 def _truncated_gumbel(g_parent, perturbed, z):
@@ -517,8 +582,7 @@ def _select(c_tok, c_score, c_par, c_depth, n: int, pending, min_prob: float = 0
     b, c = c_tok.shape
     rows = jnp.arange(b)[:, None]
     best, chosen = jax.lax.top_k(c_score, n)  # [B, n] candidate ids, best first
-    node_of = jnp.full((b, c), -1, jnp.int32).at[rows, chosen].set(
-        jnp.arange(1, n + 1, dtype=jnp.int32))
+    node_of = jnp.full((b, c), -1, jnp.int32).at[rows, chosen].set(jnp.arange(1, n + 1, dtype=jnp.int32))
     par_cand = c_par[rows, chosen]
     par_node = jnp.where(par_cand < 0, 0, node_of[rows, jnp.maximum(par_cand, 0)])
     ok = par_node >= 0
@@ -532,7 +596,10 @@ def _select(c_tok, c_score, c_par, c_depth, n: int, pending, min_prob: float = 0
 
     valid = jax.lax.fori_loop(1, n + 1, walk, valid)
     tokens = jnp.concatenate([pending[:, None], c_tok[rows, chosen]], axis=1).astype(jnp.int32)
-    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
-                             jnp.broadcast_to(c_depth, (b, c))[rows, chosen]], axis=1)
-    return DraftTree(tokens=jnp.where(valid, tokens, 0), parent=jnp.where(valid, parent, -1).at[:, 0].set(-1),
-                     depth=depth, valid=valid)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.broadcast_to(c_depth, (b, c))[rows, chosen]], axis=1)
+    return DraftTree(
+        tokens=jnp.where(valid, tokens, 0),
+        parent=jnp.where(valid, parent, -1).at[:, 0].set(-1),
+        depth=depth,
+        valid=valid,
+    )

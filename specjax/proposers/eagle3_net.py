@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels_pallas import write_paged_kv
 from specjax.attention import paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
-from specjax.config import ModelConfig
 from specjax.cpu.matmul import take_rows
-from specjax.model import _mlp_block, head_logits, key_mask, linear, rms_norm
+from specjax.kernels_pallas import write_paged_kv
+from specjax.model import head_logits, key_mask, linear, mlp_block, rms_norm
+from specjax.model_config import ModelConfig
 from specjax.rope import apply_rope, rope_cos_sin
 
 KIND = "eagle3"
@@ -54,31 +54,42 @@ def eagle3_fuse(params, features3):
     return x + fc["bias"] if "bias" in fc else x
 
 
-def _midlayer(layer, config: ModelConfig, emb, h, cos, sin, k_pages, v_pages, cache, slots,
-              valid, tree_mask, keys_seen):
+def _midlayer(
+    layer, config: ModelConfig, emb, h, cos, sin, k_pages, v_pages, cache, slots, valid, tree_mask, keys_seen
+):
     """The EAGLE-3 decoder layer: attention over [norm(emb); norm(h)], residual h, then MLP."""
     b, t, _ = h.shape
     hd, eps = config.head_dim, config.rms_norm_eps
-    qkv_in = jnp.concatenate([rms_norm(emb, layer["attn_norm"], eps),
-                              rms_norm(h, layer["hidden_norm"], eps)], axis=-1)
+    qkv_in = jnp.concatenate([rms_norm(emb, layer["attn_norm"], eps), rms_norm(h, layer["hidden_norm"], eps)], axis=-1)
     qkv = linear(qkv_in, layer["wqkv"])
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
     q = apply_rope(qkv[..., :nq].reshape(b, t, config.num_heads, hd), cos, sin)
-    k = apply_rope(qkv[..., nq:nq + nkv].reshape(b, t, config.num_kv_heads, hd), cos, sin)
-    v = qkv[..., nq + nkv:].reshape(b, t, config.num_kv_heads, hd)
+    k = apply_rope(qkv[..., nq : nq + nkv].reshape(b, t, config.num_kv_heads, hd), cos, sin)
+    v = qkv[..., nq + nkv :].reshape(b, t, config.num_kv_heads, hd)
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, slots, k, v, valid)
     # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (as in model._attention_block).
     exact = config.sliding_window is None and uses_pallas()
-    attn = paged_attention(q, k_pages, v_pages, cache.block_tables, cache.lengths, tree_mask,
-                           key_mask=None if exact else keys_seen)
+    attn = paged_attention(
+        q, k_pages, v_pages, cache.block_tables, cache.lengths, tree_mask, key_mask=None if exact else keys_seen
+    )
     x = h + linear(attn.reshape(b, t, -1), layer["wo"])
-    return _mlp_block(layer, config, x), k_pages, v_pages
+    return mlp_block(layer, config, x), k_pages, v_pages
 
 
-def eagle3_forward(params, config: ModelConfig, embed, tokens, features, positions,
-                   cache: PagedKVCache, tree_mask, valid=None, slots=None):
+def eagle3_forward(
+    params,
+    config: ModelConfig,
+    embed,
+    tokens,
+    features,
+    positions,
+    cache: PagedKVCache,
+    tree_mask,
+    valid=None,
+    slots=None,
+):
     """Draft hidden states [B, T, D] (before the final norm) and the cache with the new K/V.
 
     embed: the target's [V, D] embedding (a head converted with its own `embed_tokens`, e.g. one
@@ -97,9 +108,21 @@ def eagle3_forward(params, config: ModelConfig, embed, tokens, features, positio
     h = features.astype(table.dtype)
     cos, sin = rope_cos_sin(config, positions)
     keys_seen = key_mask(config, cache, positions, tree_mask)
-    x, k0, v0 = _midlayer(params["layers"][0], config, take_rows(table, tokens), h, cos, sin,
-                          cache.k_pages[0], cache.v_pages[0], cache, slots, valid, tree_mask,
-                          keys_seen)
+    x, k0, v0 = _midlayer(
+        params["layers"][0],
+        config,
+        take_rows(table, tokens),
+        h,
+        cos,
+        sin,
+        cache.k_pages[0],
+        cache.v_pages[0],
+        cache,
+        slots,
+        valid,
+        tree_mask,
+        keys_seen,
+    )
     return x, cache.replace(k_pages=[k0], v_pages=[v0])
 
 
@@ -121,9 +144,14 @@ def draft_to_target(params, draft_ids):
 
 def draft_config(target_config: ModelConfig) -> ModelConfig:
     """The draft layer's config: one Llama layer with the target's shapes and RoPE."""
-    return dataclasses.replace(target_config, num_layers=1, attention_bias=False,
-                               tie_word_embeddings=False, sliding_window=None,
-                               architecture="LlamaForCausalLM")
+    return dataclasses.replace(
+        target_config,
+        num_layers=1,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        architecture="LlamaForCausalLM",
+    )
 
 
 def d2t_from_counts(token_counts, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
@@ -151,8 +179,9 @@ def t2d_mask(d2t, vocab_size: int) -> np.ndarray:
     return mask
 
 
-def init_eagle3_params(key, target_config: ModelConfig, draft_vocab_size: int,
-                       token_counts=None, dtype=jnp.float32, scale: float = 0.02):
+def init_eagle3_params(
+    key, target_config: ModelConfig, draft_vocab_size: int, token_counts=None, dtype=jnp.float32, scale: float = 0.02
+):
     """(draft config, random params) of an EAGLE-3 head for `target_config` (tests, training).
 
     params["d2t"] is an int32 leaf: training differentiates the other leaves only.
@@ -167,12 +196,22 @@ def init_eagle3_params(key, target_config: ModelConfig, draft_vocab_size: int,
 
     ones = jnp.ones((d,), dtype)
     # Linear weights [out, in], drawn [in, out] as before so a seed gives the same head.
-    layer = {"attn_norm": ones, "hidden_norm": ones, "wqkv": w(2 * d, q + 2 * kv).T,
-             "wo": w(q, d).T, "mlp_norm": ones, "w_gate_up": w(d, 2 * f).T, "w_down": w(f, d).T}
-    params = {"fc": {"kernel": w(3 * d, d)}, "layers": [layer], "norm": ones,
-              "lm_head": w(draft_vocab_size, d),
-              "d2t": jnp.asarray(d2t_from_counts(token_counts, config.vocab_size,
-                                                 draft_vocab_size))}
+    layer = {
+        "attn_norm": ones,
+        "hidden_norm": ones,
+        "wqkv": w(2 * d, q + 2 * kv).T,
+        "wo": w(q, d).T,
+        "mlp_norm": ones,
+        "w_gate_up": w(d, 2 * f).T,
+        "w_down": w(f, d).T,
+    }
+    params = {
+        "fc": {"kernel": w(3 * d, d)},
+        "layers": [layer],
+        "norm": ones,
+        "lm_head": w(draft_vocab_size, d),
+        "d2t": jnp.asarray(d2t_from_counts(token_counts, config.vocab_size, draft_vocab_size)),
+    }
     return config, params
 
 
@@ -204,8 +243,13 @@ def load_eagle3_heads(path) -> tuple[ModelConfig, dict, dict]:
 
     meta, variables = load_heads(path, KIND)
     config = ModelConfig.from_hf(meta["config"])
-    needed = {"fc/kernel": ("fc", "kernel"), "norm": ("norm",), "lm_head": ("lm_head",),
-              "d2t": ("d2t",), "layers/0": ("layers", "0")}
+    needed = {
+        "fc/kernel": ("fc", "kernel"),
+        "norm": ("norm",),
+        "lm_head": ("lm_head",),
+        "d2t": ("d2t",),
+        "layers/0": ("layers", "0"),
+    }
     for name, keys in needed.items():
         node = variables
         for k in keys:
@@ -225,8 +269,7 @@ def feature_layers_of(meta: dict, num_target_layers: int) -> tuple[int, ...]:
         return eagle3_feature_layers(num_target_layers)
     layers = tuple(int(i) for i in layers)
     if any(i < 0 or i >= num_target_layers for i in layers):
-        raise ValueError(f"EAGLE-3 head reads target layers {layers}, the target has "
-                         f"{num_target_layers}")
+        raise ValueError(f"EAGLE-3 head reads target layers {layers}, the target has {num_target_layers}")
     return layers
 
 
@@ -244,8 +287,9 @@ class Eagle3Net:
             raise ValueError("EAGLE-3 fuses three target layers: give feature_layers=(low, mid, high)")
 
     def forward(self, params, config, tokens, features, positions, cache, mask, valid, slots=None):
-        return eagle3_forward(params["net"], config, params["embed"], tokens, features, positions,
-                              cache, mask, valid, slots=slots)
+        return eagle3_forward(
+            params["net"], config, params["embed"], tokens, features, positions, cache, mask, valid, slots=slots
+        )
 
     def fuse(self, params, features):
         """The three layers' concatenated outputs through the fc."""
@@ -268,10 +312,12 @@ def load_eagle3(heads, target, draft_vocab: int | None = None):
     from specjax.proposers.eagle_net import cast_floats, prepared_net
 
     if draft_vocab is not None:
-        raise ValueError("`eagle_draft_vocab` is an EAGLE-1/2 option: EAGLE-3 heads have their "
-                         "own draft vocabulary")
+        raise ValueError("`eagle_draft_vocab` is an EAGLE-1/2 option: EAGLE-3 heads have their own draft vocabulary")
     config, net, meta = load_eagle3_heads(heads)
     check_compatible(meta, target.config, heads)
     net = prepared_net(cast_floats(net, target.params["embed"].dtype), ("layers", "fc", "lm_head"))
-    return (Eagle3Net(feature_layers_of(meta, target.config.num_layers)), config,
-            {"net": net, "embed": target.params["embed"]})
+    return (
+        Eagle3Net(feature_layers_of(meta, target.config.num_layers)),
+        config,
+        {"net": net, "embed": target.params["embed"]},
+    )

@@ -14,13 +14,23 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import PagedKVCache
-from specjax.config import ModelConfig
 from specjax.cpu.matmul import take_rows
 from specjax.model import decoder_layers, head_logits, linear
+from specjax.model_config import ModelConfig
 
 
-def eagle_forward(params, config: ModelConfig, embed, tokens, features, positions,
-                  cache: PagedKVCache, tree_mask, valid=None, slots=None):
+def eagle_forward(
+    params,
+    config: ModelConfig,
+    embed,
+    tokens,
+    features,
+    positions,
+    cache: PagedKVCache,
+    tree_mask,
+    valid=None,
+    slots=None,
+):
     """Draft hidden states [B, T, D] and the cache with the new K/V written.
 
     params: {"fc": {"kernel": [2D, D], "bias": [D]}, "layers": [...]}; embed: the target's
@@ -35,8 +45,7 @@ def eagle_forward(params, config: ModelConfig, embed, tokens, features, position
     x = linear(x, fc["weight"]) if "weight" in fc else x @ fc["kernel"]
     if "bias" in fc:
         x = x + fc["bias"]
-    x, cache, _, _ = decoder_layers(params["layers"], config, x, positions, cache, tree_mask,
-                                    valid, slots=slots)
+    x, cache, _, _ = decoder_layers(params["layers"], config, x, positions, cache, tree_mask, valid, slots=slots)
     return x, cache
 
 
@@ -86,8 +95,9 @@ class EagleNet:
     splits_layers: bool = True  # its decoder layer splits over tensor-parallel devices
 
     def forward(self, params, config, tokens, features, positions, cache, mask, valid, slots=None):
-        return eagle_forward(params["net"], config, params["embed"], tokens, features, positions,
-                             cache, mask, valid, slots=slots)
+        return eagle_forward(
+            params["net"], config, params["embed"], tokens, features, positions, cache, mask, valid, slots=slots
+        )
 
     def fuse(self, params, features):
         """The target's features as the network reads them (as they are)."""
@@ -107,8 +117,7 @@ class EagleNet:
 
 def cast_floats(tree, dtype):
     """`tree` with its floating arrays in `dtype` (integer maps keep their type)."""
-    return jax.tree_util.tree_map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def prepared_net(net: dict, own: tuple[str, ...]) -> dict:
@@ -117,8 +126,7 @@ def prepared_net(net: dict, own: tuple[str, ...]) -> dict:
     type of the CPU kernel (`draft_weights`)."""
     from specjax.cpu.draft_weights import draft_weights
 
-    net = {**net, "fc": {**{k: v for k, v in net["fc"].items() if k != "kernel"},
-                         "weight": net["fc"]["kernel"].T}}
+    net = {**net, "fc": {**{k: v for k, v in net["fc"].items() if k != "kernel"}, "weight": net["fc"]["kernel"].T}}
     return {**net, **draft_weights({k: v for k, v in net.items() if k in own})}
 
 
@@ -132,8 +140,11 @@ def load_eagle(heads, target, draft_vocab: int | None = None):
     config, net = load_eagle_heads(heads, target.config)
     dtype = target.params["embed"].dtype
     ids = net.pop("draft_ids", None)
-    params = {"net": prepared_net(cast_floats(net, dtype), ("layers", "fc")),
-              "embed": target.params["embed"], "lm_head": lm_head_weight(target.params)}
+    params = {
+        "net": prepared_net(cast_floats(net, dtype), ("layers", "fc")),
+        "embed": target.params["embed"],
+        "lm_head": lm_head_weight(target.params),
+    }
     if ids is not None or draft_vocab is not None:
         ids = jnp.arange(target.config.vocab_size) if ids is None else ids
         params["lm_head"], params["draft_ids"] = draft_vocabulary(params["lm_head"], ids, draft_vocab)

@@ -87,10 +87,12 @@ def bucket_of(tokens, num_buckets: int):
 
 
 def empty_pool(batch: int, num_buckets: int, g: int, ngram_len: int) -> NgramPool:
-    return NgramPool(keys=jnp.full((batch, num_buckets, g), -1, jnp.int32),
-                     ngrams=jnp.zeros((batch, num_buckets, g, ngram_len), jnp.int32),
-                     stamp=jnp.full((batch, num_buckets, g), -1, jnp.int32),
-                     clock=jnp.zeros((batch,), jnp.int32))
+    return NgramPool(
+        keys=jnp.full((batch, num_buckets, g), -1, jnp.int32),
+        ngrams=jnp.zeros((batch, num_buckets, g, ngram_len), jnp.int32),
+        stamp=jnp.full((batch, num_buckets, g), -1, jnp.int32),
+        clock=jnp.zeros((batch,), jnp.int32),
+    )
 
 
 def pool_insert(pool: NgramPool, key, ngram, ok) -> NgramPool:
@@ -106,14 +108,17 @@ def pool_insert(pool: NgramPool, key, ngram, ok) -> NgramPool:
     same = (keys == key[:, None]) & jnp.all(grams == ngram[:, None, :], axis=-1) & (stamp >= 0)
     slot = jnp.where(jnp.any(same, axis=1), jnp.argmax(same, axis=1), jnp.argmin(stamp, axis=1))
     slot = jnp.where(ok, slot, g)  # g: out of range, dropped
-    return NgramPool(keys=pool.keys.at[rows, bk, slot].set(key, mode="drop"),
-                     ngrams=pool.ngrams.at[rows, bk, slot].set(ngram, mode="drop"),
-                     stamp=pool.stamp.at[rows, bk, slot].set(pool.clock, mode="drop"),
-                     clock=pool.clock + ok.astype(jnp.int32))
+    return NgramPool(
+        keys=pool.keys.at[rows, bk, slot].set(key, mode="drop"),
+        ngrams=pool.ngrams.at[rows, bk, slot].set(ngram, mode="drop"),
+        stamp=pool.stamp.at[rows, bk, slot].set(pool.clock, mode="drop"),
+        clock=pool.clock + ok.astype(jnp.int32),
+    )
 
 
 def pool_insert_many(pool: NgramPool, keys, ngrams, ok) -> NgramPool:
     """Insert keys [B, K], ngrams [B, K, N-1] (where ok [B, K]) in order k = 0, 1, ..."""
+
     def body(i, p):
         return pool_insert(p, keys[:, i], ngrams[:, i], ok[:, i])
 
@@ -176,8 +181,12 @@ def merge_ngrams(cand, valid):
         return jnp.full((b, m * g), fill, jnp.int32).at[rows, dest].set(x, mode="drop")
 
     count = jnp.sum(keep_q, axis=1)
-    return (pack(tokens_q, 0), pack(parent, -1), pack(jnp.broadcast_to(d + 1, (b, m * g)), 0),
-            jnp.arange(m * g)[None, :] < count[:, None])
+    return (
+        pack(tokens_q, 0),
+        pack(parent, -1),
+        pack(jnp.broadcast_to(d + 1, (b, m * g)), 0),
+        jnp.arange(m * g)[None, :] < count[:, None],
+    )
 
 
 def lookahead_tree(window, pending, cand, cand_valid, accept_window: bool = False) -> DraftTree:
@@ -193,8 +202,10 @@ def lookahead_tree(window, pending, cand, cand_valid, accept_window: bool = Fals
     v_tok, v_par, v_dep, v_ok = merge_ngrams(cand, cand_valid)
     lw = levels * w
     tokens = jnp.concatenate([cells, jnp.where(v_ok, v_tok, 0)], axis=1)
-    parent = jnp.concatenate([jnp.broadcast_to(jnp.asarray(parent_w), (b, lw)),
-                              jnp.where(v_ok, jnp.where(v_par < 0, 0, v_par + lw), -1)], axis=1)
+    parent = jnp.concatenate(
+        [jnp.broadcast_to(jnp.asarray(parent_w), (b, lw)), jnp.where(v_ok, jnp.where(v_par < 0, 0, v_par + lw), -1)],
+        axis=1,
+    )
     depth = jnp.concatenate([jnp.broadcast_to(jnp.asarray(depth_w), (b, lw)), v_dep], axis=1)
     valid = jnp.concatenate([jnp.ones((b, lw), bool), v_ok], axis=1)
     win_ok = jnp.zeros((b, lw), bool).at[:, 0].set(True)
@@ -203,11 +214,16 @@ def lookahead_tree(window, pending, cand, cand_valid, accept_window: bool = Fals
         chains = [(idx % w == 0, w)] if levels > 1 else []  # column 0: first cell (1, 0)
         chains += [(idx < w, 1)] if w > 1 else []  # level 0: first cell (0, 1)
         for on, first in chains:
-            shared = jnp.any(v_ok & (v_dep == 1) & (v_tok == cells[:, first:first + 1]), axis=1)
+            shared = jnp.any(v_ok & (v_dep == 1) & (v_tok == cells[:, first : first + 1]), axis=1)
             win_ok = win_ok | (jnp.asarray(on)[None, :] & ~shared[:, None])
     acceptable = jnp.concatenate([win_ok, jnp.ones_like(v_ok)], axis=1)
-    return DraftTree(tokens=tokens.astype(jnp.int32), parent=parent.astype(jnp.int32),
-                     depth=depth.astype(jnp.int32), valid=valid, acceptable=acceptable)
+    return DraftTree(
+        tokens=tokens.astype(jnp.int32),
+        parent=parent.astype(jnp.int32),
+        depth=depth.astype(jnp.int32),
+        valid=valid,
+        acceptable=acceptable,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,11 +251,6 @@ class LookaheadProposer(ProposerBase):
             raise ValueError(f"pool_buckets must be a power of two, got {self.pool_buckets}")
         if self.rule != "match":
             raise ValueError("lookahead drafts deterministic candidates: its rule is 'match'")
-
-    @property
-    def window_nodes(self) -> int:
-        """Tree nodes of the lookahead branch, root included: W * (N - 1)."""
-        return self.max_window_size * (self.max_ngram_size - 1)
 
     @property
     def tree_size(self) -> int:
@@ -306,9 +317,12 @@ class LookaheadProposer(ProposerBase):
         txt_keys = jnp.stack([k for k, _ in txt], axis=1)
         txt_grams = jnp.stack([g for _, g in txt], axis=1)
         txt_ok = active[:, None] & (ends < ctx.lengths[:, None]) & (ends >= n - 1)
-        pool = pool_insert_many(state.pool, jnp.concatenate([win_keys, txt_keys], axis=1),
-                                jnp.concatenate([win_grams, txt_grams], axis=1),
-                                jnp.concatenate([win_ok, txt_ok], axis=1))
+        pool = pool_insert_many(
+            state.pool,
+            jnp.concatenate([win_keys, txt_keys], axis=1),
+            jnp.concatenate([win_grams, txt_grams], axis=1),
+            jnp.concatenate([win_ok, txt_ok], axis=1),
+        )
         shifted = jnp.concatenate([state.window[:, 1:], top[:, None]], axis=1)
         window = jnp.where(active[:, None, None], shifted, state.window)
         return state.replace(window=window, pool=pool, updates=state.updates + active)

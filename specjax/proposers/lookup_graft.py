@@ -61,21 +61,24 @@ def graft_chain(tree: DraftTree, chain_tokens, count, width: int | None = None) 
     j = p - keep[:, None]  # position in the chain's new nodes
     in_chain = (j >= 0) & (j < new[:, None])
     # kept nodes stay where they are (keep <= t), so the tree's own fields, padded by K, hold them
-    pick = lambda a, chain, other: jnp.where(  # noqa: E731
-        base, jnp.pad(a, ((0, 0), (0, k))), jnp.where(in_chain, chain, other).astype(a.dtype))
+    pick = lambda a, chain, other: jnp.where(
+        base, jnp.pad(a, ((0, 0), (0, k))), jnp.where(in_chain, chain, other).astype(a.dtype)
+    )
     src = jnp.clip(shared[:, None] + j, 0, k - 1)
     acceptable = None if tree.acceptable is None else pick(tree.acceptable, True, False)
     tokens = pick(tree.tokens, chain_tokens[rows, src], 0)
     logq = tree.draft_logprobs
     if logq is not None:  # the chain's nodes are certain: q is one-hot at their token
         one_hot = jnp.where(jnp.arange(logq.shape[-1]) == tokens[..., None], 0.0, -jnp.inf)
-        logq = jnp.where(base[..., None], jnp.pad(logq, ((0, 0), (0, k), (0, 0))),
-                         one_hot.astype(logq.dtype))
-    return DraftTree(tokens=tokens,
-                     parent=pick(tree.parent, jnp.where(j == 0, cur[:, None], p - 1), -1),
-                     depth=pick(tree.depth, shared[:, None] + j + 1, 0),
-                     valid=pick(tree.valid, True, False), draft_logprobs=logq,
-                     acceptable=acceptable)
+        logq = jnp.where(base[..., None], jnp.pad(logq, ((0, 0), (0, k), (0, 0))), one_hot.astype(logq.dtype))
+    return DraftTree(
+        tokens=tokens,
+        parent=pick(tree.parent, jnp.where(j == 0, cur[:, None], p - 1), -1),
+        depth=pick(tree.depth, shared[:, None] + j + 1, 0),
+        valid=pick(tree.valid, True, False),
+        draft_logprobs=logq,
+        acceptable=acceptable,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +102,19 @@ class LookupGraftProposer(ProposerWrapper):
 
     def __post_init__(self):
         if self.base.rule not in TREE_RULES or self.base.rule_options:
-            raise ValueError("a prompt-lookup graft needs a proposer verified with the lossless "
-                             f"`match`, `recursive` or `traversal` rule, not {self.base.rule!r}")
+            raise ValueError(
+                "a prompt-lookup graft needs a proposer verified with the lossless "
+                f"`match`, `recursive` or `traversal` rule, not {self.base.rule!r}"
+            )
         if self.width is not None and self.base.rule in DRAWN_RULES:
-            raise ValueError("a graft's width cuts the tree by what it drafted, and the "
-                             f"{self.base.rule} rule verifies whole drawn trees: give no width")
+            raise ValueError(
+                "a graft's width cuts the tree by what it drafted, and the "
+                f"{self.base.rule} rule verifies whole drawn trees: give no width"
+            )
         if self.width is not None and self.width < 2:
-            raise ValueError(f"the graft's width must be at least 2 (the pending token and one "
-                             f"drafted), got {self.width}")
+            raise ValueError(
+                f"the graft's width must be at least 2 (the pending token and one drafted), got {self.width}"
+            )
 
     @property
     def tree_size(self) -> int:

@@ -21,22 +21,87 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.draft_tree import (DRAWN_RULES, TREE_RULES, check_confidence_floor, check_recursive_tree,
-                                drawn_static_tree, on_vocabulary, one_parent_per_depth,
-                                reaches_floor, static_draft_tree, static_tree)
+from specjax.draft_tree import (
+    DRAWN_RULES,
+    TREE_RULES,
+    check_confidence_floor,
+    check_recursive_tree,
+    drawn_static_tree,
+    on_vocabulary,
+    one_parent_per_depth,
+    reaches_floor,
+    static_draft_tree,
+    static_tree,
+)
 from specjax.model import head_logits
 from specjax.sampling import gumbel_top_k, processed_logprobs
 from specjax.spec_decode import ProposerBase
 
 # FasterDecoding/Medusa's default tree for 7B models: 63 nodes, depth 4, ranks up to 9.
 MC_SIM_7B_63 = (
-    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
-    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
-    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
-    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3),
-    (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0),
-    (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
-    (0, 0, 0, 1), (1, 6), (0, 7, 0),
+    (0,),
+    (0, 0),
+    (1,),
+    (0, 1),
+    (2,),
+    (0, 0, 0),
+    (1, 0),
+    (0, 2),
+    (3,),
+    (0, 3),
+    (4,),
+    (0, 4),
+    (2, 0),
+    (0, 5),
+    (0, 0, 1),
+    (5,),
+    (0, 6),
+    (6,),
+    (0, 7),
+    (0, 1, 0),
+    (1, 1),
+    (7,),
+    (0, 8),
+    (0, 0, 2),
+    (3, 0),
+    (0, 9),
+    (8,),
+    (9,),
+    (1, 0, 0),
+    (0, 2, 0),
+    (1, 2),
+    (0, 0, 3),
+    (4, 0),
+    (2, 1),
+    (0, 0, 4),
+    (0, 0, 5),
+    (0, 0, 0, 0),
+    (0, 1, 1),
+    (0, 0, 6),
+    (0, 3, 0),
+    (5, 0),
+    (1, 3),
+    (0, 0, 7),
+    (0, 0, 8),
+    (0, 0, 9),
+    (6, 0),
+    (0, 4, 0),
+    (1, 4),
+    (7, 0),
+    (0, 1, 2),
+    (2, 0, 0),
+    (3, 1),
+    (2, 2),
+    (8, 0),
+    (0, 5, 0),
+    (1, 5),
+    (1, 0, 1),
+    (0, 2, 1),
+    (9, 0),
+    (0, 6, 0),
+    (0, 0, 0, 1),
+    (1, 6),
+    (0, 7, 0),
 )
 # Trees `medusa_choices` may name (`--medusa-choices mc_sim_7b_63`).
 MEDUSA_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
@@ -94,9 +159,13 @@ class MedusaHeads(nn.Module):
 
     @nn.compact
     def __call__(self, features, base_lm_head=None):
-        out = jnp.stack([MedusaHead(self.num_layers, self.vocab_size, self.own_lm_head,
-                                    name=f"head_{k}")(features)
-                         for k in range(self.num_heads)], axis=-2)
+        out = jnp.stack(
+            [
+                MedusaHead(self.num_layers, self.vocab_size, self.own_lm_head, name=f"head_{k}")(features)
+                for k in range(self.num_heads)
+            ],
+            axis=-2,
+        )
         if self.own_lm_head:
             return out
         return head_logits(out, base_lm_head)
@@ -134,30 +203,33 @@ class MedusaProposer(ProposerBase):
     def rule_options(self) -> dict:
         if self.posterior_threshold is None:
             return {}
-        return {"posterior_threshold": self.posterior_threshold,
-                "posterior_alpha": self.posterior_alpha}
+        return {"posterior_threshold": self.posterior_threshold, "posterior_alpha": self.posterior_alpha}
 
     def __post_init__(self):
         nodes = expand_choices(self.medusa_choices)
         object.__setattr__(self, "medusa_choices", nodes)
         if self.posterior_threshold is not None and not (
-                0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
+            0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1
+        ):
             raise ValueError("posterior_threshold and posterior_alpha must be in (0, 1]")
         check_confidence_floor(self.min_prob)
         if self.acceptance not in TREE_RULES:
-            raise ValueError(f"Medusa verifies with the match, recursive or traversal rule, "
-                             f"not {self.acceptance!r}")
+            raise ValueError(f"Medusa verifies with the match, recursive or traversal rule, not {self.acceptance!r}")
         if self.acceptance in DRAWN_RULES:
             if self.posterior_threshold is not None:
-                raise ValueError(f"typical acceptance (posterior_threshold) replaces the "
-                                 f"{self.acceptance} rule: give one of them")
+                raise ValueError(
+                    f"typical acceptance (posterior_threshold) replaces the {self.acceptance} rule: give one of them"
+                )
             check_recursive_tree(nodes)
         if self.acceptance == "traversal" and not one_parent_per_depth(nodes):
-            raise ValueError("traversal acceptance needs each depth of medusa_choices under one "
-                             "parent: a Medusa head's draws are shared by a depth's parents")
+            raise ValueError(
+                "traversal acceptance needs each depth of medusa_choices under one "
+                "parent: a Medusa head's draws are shared by a depth's parents"
+            )
         if max(len(p) for p in nodes) > self.num_heads:
-            raise ValueError(f"medusa_choices is {max(len(p) for p in nodes)} deep but there are "
-                             f"only {self.num_heads} Medusa heads")
+            raise ValueError(
+                f"medusa_choices is {max(len(p) for p in nodes)} deep but there are only {self.num_heads} Medusa heads"
+            )
 
     @property
     def heads(self) -> MedusaHeads:
@@ -194,20 +266,21 @@ class MedusaProposer(ProposerBase):
         # a CPU step); flax ignores the variables of the others.
         used = max(len(p) for p in self.medusa_choices)
         heads = MedusaHeads(used, self.num_layers, self.vocab_size, self.own_lm_head)
-        logits = heads.apply(params["heads"], ctx.hidden.astype(jnp.float32),
-                             params.get("lm_head"))  # [B, used, V]
+        logits = heads.apply(params["heads"], ctx.hidden.astype(jnp.float32), params.get("lm_head"))  # [B, used, V]
         head = jnp.clip(depth - 1, 0, used - 1)
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
         if self.rule in DRAWN_RULES and not sampling.greedy:
             logq = processed_logprobs(logits, sampling)  # [B, used, V']
-            ids, drawn = gumbel_top_k(jax.vmap(lambda k: jax.random.split(k, used))(keys),
-                                      logq, self.top_k)  # [B, used, K] each head's draws
+            ids, drawn = gumbel_top_k(
+                jax.vmap(lambda k: jax.random.split(k, used))(keys), logq, self.top_k
+            )  # [B, used, K] each head's draws
             to_target = params.get("draft_ids")
             if to_target is not None:
                 logq, ids = on_vocabulary(logq, to_target, self.vocab_size), to_target[ids]
             pick = (slice(None), head[1:], rank[1:])
-            return drawn_static_tree(pending, *topology[:2], ids[pick], drawn[pick] > -jnp.inf,
-                                     logq[:, head[1:]]), state
+            return drawn_static_tree(
+                pending, *topology[:2], ids[pick], drawn[pick] > -jnp.inf, logq[:, head[1:]]
+            ), state
         top_logits, top = jax.lax.top_k(logits, self.top_k)  # [B, used, K]
         top = top.astype(jnp.int32)
         if "draft_ids" in params:  # lm_head holds only these target ids' rows

@@ -25,7 +25,7 @@ def find_continuation(tokens, length, ngram: int, num_tokens: int):
     rows = jnp.arange(b)
     suffix = jnp.stack([tokens[rows, jnp.maximum(length - ngram + k, 0)] for k in range(ngram)], 1)
     j = jnp.arange(s - ngram + 1)
-    windows = jnp.stack([tokens[:, k:k + s - ngram + 1] for k in range(ngram)], axis=2)  # [B, J, n]
+    windows = jnp.stack([tokens[:, k : k + s - ngram + 1] for k in range(ngram)], axis=2)  # [B, J, n]
     hit = jnp.all(windows == suffix[:, None, :], axis=2)
     # The continuation must hold at least one known token: j + ngram < length.
     hit = hit & (j[None, :] + ngram < length[:, None]) & (length[:, None] >= ngram)
@@ -52,7 +52,8 @@ class PromptLookupProposer(StatelessProposer):
         if not 1 <= self.min_matching_ngram_size <= self.max_matching_ngram_size:
             raise ValueError(
                 f"n-gram sizes must satisfy 1 <= min ({self.min_matching_ngram_size}) <= max "
-                f"({self.max_matching_ngram_size})")
+                f"({self.max_matching_ngram_size})"
+            )
 
     @property
     def tree_size(self) -> int:

@@ -39,9 +39,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specjax.draft_tree import DraftTree
 from specjax.cpu.draft_weights import draft_weights
 from specjax.cpu.matmul import take_rows
+from specjax.draft_tree import DraftTree
 from specjax.model import head_logits
 from specjax.sampling import kth_largest
 from specjax.spec_decode import ProposerBase
@@ -52,8 +52,17 @@ KIND = "redrafter"
 
 # ----------------------------------------------------------------------------- drafter network
 
-def init_params(key, hidden_size: int, vocab_size: int, *, exit_dim: int | None = None,
-                num_draft_layers: int = 1, rnn: bool = True, scale: float = 1.0) -> dict:
+
+def init_params(
+    key,
+    hidden_size: int,
+    vocab_size: int,
+    *,
+    exit_dim: int | None = None,
+    num_draft_layers: int = 1,
+    rnn: bool = True,
+    scale: float = 1.0,
+) -> dict:
     """Random drafter parameters (PyTorch Linear's uniform init, times `scale`).
 
     Layout: linear weights [in, out]; `lm_head` [vocab, exit_dim] like the target's.
@@ -69,8 +78,10 @@ def init_params(key, hidden_size: int, vocab_size: int, *, exit_dim: int | None 
             p["bias"] = jax.random.uniform(next(keys), (n_out,), jnp.float32, -bound, bound)
         return p
 
-    params = {"resblocks": {str(i): lin(e, e) for i in range(num_draft_layers)},
-              "lm_head": lin(e, vocab_size, bias=False)["kernel"].T}
+    params = {
+        "resblocks": {str(i): lin(e, e) for i in range(num_draft_layers)},
+        "lm_head": lin(e, vocab_size, bias=False)["kernel"].T,
+    }
     if e != 2 * d:
         params["input_proj"] = lin(2 * d, e)
     if rnn:
@@ -112,9 +123,20 @@ def warp_logits(logits, top_k: int | None):
 
 # ----------------------------------------------------------------------------- beam search
 
-def beam_search(params, embed, hidden, init_token, *, num_beams: int, draft_len: int,
-                rnn: bool, warp_top_k: int | None = 50, temperature: float | None = None,
-                keys=None):
+
+def beam_search(
+    params,
+    embed,
+    hidden,
+    init_token,
+    *,
+    num_beams: int,
+    draft_len: int,
+    rnn: bool,
+    warp_top_k: int | None = 50,
+    temperature: float | None = None,
+    keys=None,
+):
     """Beams [B, W, L] of drafted tokens after init_token, and their log-probabilities [B, W].
 
     hidden [B, D]: target features; init_token [B]: the pending token; embed [V, D]: the
@@ -170,11 +192,10 @@ def beams_to_tree(init_token, beams) -> DraftTree:
     kept = 1 + first * l + d  # node of the kept copy of each prefix
     parent = jnp.concatenate([jnp.zeros((b, w, 1), jnp.int32), kept[:, :, :-1]], axis=2)
     valid = first == jnp.arange(w, dtype=jnp.int32)[None, :, None]
-    flat = lambda x: x.reshape(b, w * l)  # noqa: E731
+    flat = lambda x: x.reshape(b, w * l)
     tokens = jnp.concatenate([init_token[:, None].astype(jnp.int32), flat(beams)], axis=1)
     parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), flat(parent)], axis=1)
-    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
-                             flat(jnp.broadcast_to(d + 1, (b, w, l)))], axis=1)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), flat(jnp.broadcast_to(d + 1, (b, w, l)))], axis=1)
     valid = jnp.concatenate([jnp.ones((b, 1), bool), flat(valid)], axis=1)
     return DraftTree(tokens=tokens, parent=parent, depth=depth, valid=valid)
 
@@ -188,15 +209,14 @@ def compact_tree(tree: DraftTree) -> DraftTree:
     """
     order = jnp.argsort(~tree.valid, axis=1, stable=True).astype(jnp.int32)  # new -> old
     new_of_old = jnp.argsort(order, axis=1).astype(jnp.int32)
-    take = lambda x: jnp.take_along_axis(x, order, axis=1)  # noqa: E731
+    take = lambda x: jnp.take_along_axis(x, order, axis=1)
     parent = take(tree.parent)
-    parent = jnp.where(parent >= 0,
-                       jnp.take_along_axis(new_of_old, jnp.maximum(parent, 0), axis=1), -1)
-    return DraftTree(tokens=take(tree.tokens), parent=parent, depth=take(tree.depth),
-                     valid=take(tree.valid))
+    parent = jnp.where(parent >= 0, jnp.take_along_axis(new_of_old, jnp.maximum(parent, 0), axis=1), -1)
+    return DraftTree(tokens=take(tree.tokens), parent=parent, depth=take(tree.depth), valid=take(tree.valid))
 
 
 # ----------------------------------------------------------------------------- proposer
+
 
 @dataclasses.dataclass(frozen=True)
 class ReDrafterProposer(ProposerBase):
@@ -220,11 +240,12 @@ class ReDrafterProposer(ProposerBase):
         if self.exit_dim is None:
             object.__setattr__(self, "exit_dim", 2 * self.hidden_size)
         if self.num_beams < 1 or self.draft_len_per_beam < 1:
-            raise ValueError(f"ReDrafter needs num_beams >= 1 and draft_len_per_beam >= 1, got "
-                             f"{self.num_beams} and {self.draft_len_per_beam}")
+            raise ValueError(
+                f"ReDrafter needs num_beams >= 1 and draft_len_per_beam >= 1, got "
+                f"{self.num_beams} and {self.draft_len_per_beam}"
+            )
         if self.num_beams > self.vocab_size:
-            raise ValueError(f"ReDrafter num_beams {self.num_beams} exceeds the vocabulary "
-                             f"({self.vocab_size})")
+            raise ValueError(f"ReDrafter num_beams {self.num_beams} exceeds the vocabulary ({self.vocab_size})")
         if self.num_draft_layers < 0:
             raise ValueError(f"num_draft_layers must be >= 0, got {self.num_draft_layers}")
 
@@ -238,8 +259,15 @@ class ReDrafterProposer(ProposerBase):
         return self.num_beams == 1
 
     def init_params(self, key, scale: float = 1.0) -> dict:
-        return init_params(key, self.hidden_size, self.vocab_size, exit_dim=self.exit_dim,
-                           num_draft_layers=self.num_draft_layers, rnn=self.rnn, scale=scale)
+        return init_params(
+            key,
+            self.hidden_size,
+            self.vocab_size,
+            exit_dim=self.exit_dim,
+            num_draft_layers=self.num_draft_layers,
+            rnn=self.rnn,
+            scale=scale,
+        )
 
     def make_pools(self, num_pages, page_size, dtype):
         return None
@@ -251,11 +279,18 @@ class ReDrafterProposer(ProposerBase):
         b = ctx.tokens.shape[0]
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
         stochastic = not self.greedy_search and not sampling.greedy
-        beams, _ = beam_search(params["drafter"], params["embed"], ctx.hidden, pending,
-                               num_beams=self.num_beams, draft_len=self.draft_len_per_beam,
-                               rnn=self.rnn, warp_top_k=self.warp_top_k,
-                               temperature=sampling.temperature if stochastic else None,
-                               keys=keys if stochastic else None)
+        beams, _ = beam_search(
+            params["drafter"],
+            params["embed"],
+            ctx.hidden,
+            pending,
+            num_beams=self.num_beams,
+            draft_len=self.draft_len_per_beam,
+            rnn=self.rnn,
+            warp_top_k=self.warp_top_k,
+            temperature=sampling.temperature if stochastic else None,
+            keys=keys if stochastic else None,
+        )
         return compact_tree(beams_to_tree(pending, beams)), state
 
     def update(self, params, state, ctx, result, active):
@@ -267,8 +302,13 @@ class ReDrafterProposer(ProposerBase):
 
 def head_meta(p: ReDrafterProposer) -> dict:
     """The metadata a specjax ReDrafter head checkpoint stores to rebuild its proposer."""
-    return {"hidden_size": p.hidden_size, "vocab_size": p.vocab_size, "exit_dim": p.exit_dim,
-            "num_draft_layers": p.num_draft_layers, "rnn": p.rnn}
+    return {
+        "hidden_size": p.hidden_size,
+        "vocab_size": p.vocab_size,
+        "exit_dim": p.exit_dim,
+        "num_draft_layers": p.num_draft_layers,
+        "rnn": p.rnn,
+    }
 
 
 def save_redrafter(out_dir, params: dict, meta: dict):
@@ -294,13 +334,11 @@ def load_redrafter(path) -> tuple[dict, dict]:
     want = {("lm_head",): (vd, e)}
     if vd != v:  # a reduced draft vocabulary: its target ids, most frequent first
         want[("draft_ids",)] = (vd,)
-    want.update({("resblocks", str(i), k): s for i in range(n)
-                 for k, s in (("kernel", (e, e)), ("bias", (e,)))})
+    want.update({("resblocks", str(i), k): s for i in range(n) for k, s in (("kernel", (e, e)), ("bias", (e,)))})
     if e != 2 * d:
         want.update({("input_proj", "kernel"): (2 * d, e), ("input_proj", "bias"): (e,)})
     if rnn:
-        want.update({("rnn_u", "kernel"): (d, d), ("rnn_u", "bias"): (d,),
-                     ("rnn_w", "kernel"): (d, d)})
+        want.update({("rnn_u", "kernel"): (d, d), ("rnn_u", "bias"): (d,), ("rnn_w", "kernel"): (d, d)})
     for keys, shape in want.items():
         node = params
         for k in keys:
@@ -308,20 +346,35 @@ def load_redrafter(path) -> tuple[dict, dict]:
             if node is None:
                 raise CheckpointError(f"ReDrafter head checkpoint {path} lacks tensor '{'/'.join(keys)}'")
         if tuple(node.shape) != shape:
-            raise CheckpointError(f"ReDrafter tensor '{'/'.join(keys)}' in {path} has shape "
-                                  f"{tuple(node.shape)}, expected {shape}")
+            raise CheckpointError(
+                f"ReDrafter tensor '{'/'.join(keys)}' in {path} has shape {tuple(node.shape)}, expected {shape}"
+            )
     if "draft_ids" in params:
         ids = params["draft_ids"]
         if not (jnp.issubdtype(ids.dtype, jnp.integer) and bool(jnp.all((ids >= 0) & (ids < v)))):
             raise CheckpointError(f"ReDrafter draft_ids in {path} must be target token ids < {v}")
         params["draft_ids"] = ids.astype(jnp.int32)
-    meta = {**meta, "hidden_size": d, "vocab_size": v, "exit_dim": e, "num_draft_layers": n,
-            "rnn": rnn, "draft_vocab_size": vd}
+    meta = {
+        **meta,
+        "hidden_size": d,
+        "vocab_size": v,
+        "exit_dim": e,
+        "num_draft_layers": n,
+        "rnn": rnn,
+        "draft_vocab_size": vd,
+    }
     return meta, params
 
 
-def make_redrafter(target, heads, *, num_beams: int = 5, draft_len_per_beam: int = 5,
-                   greedy_search: bool = True, warp_top_k: int | None = 50):
+def make_redrafter(
+    target,
+    heads,
+    *,
+    num_beams: int = 5,
+    draft_len_per_beam: int = 5,
+    greedy_search: bool = True,
+    warp_top_k: int | None = 50,
+):
     """(ReDrafterProposer, proposer_params) for a loaded target model (`specjax.loading.Model`)
     and a specjax ReDrafter head checkpoint directory `heads`."""
     from specjax.heads import check_compatible
@@ -330,14 +383,21 @@ def make_redrafter(target, heads, *, num_beams: int = 5, draft_len_per_beam: int
         raise ValueError("--method redrafter needs --heads PATH (a specjax ReDrafter head checkpoint)")
     meta, drafter = load_redrafter(heads)
     check_compatible(meta, target.config, heads)
-    proposer = ReDrafterProposer(hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
-                                 exit_dim=meta["exit_dim"],
-                                 num_draft_layers=meta["num_draft_layers"], rnn=meta["rnn"],
-                                 num_beams=num_beams, draft_len_per_beam=draft_len_per_beam,
-                                 greedy_search=greedy_search, warp_top_k=warp_top_k)
+    proposer = ReDrafterProposer(
+        hidden_size=meta["hidden_size"],
+        vocab_size=meta["vocab_size"],
+        exit_dim=meta["exit_dim"],
+        num_draft_layers=meta["num_draft_layers"],
+        rnn=meta["rnn"],
+        num_beams=num_beams,
+        draft_len_per_beam=draft_len_per_beam,
+        greedy_search=greedy_search,
+        warp_top_k=warp_top_k,
+    )
     dtype = target.params["embed"].dtype
     drafter = jax.tree_util.tree_map(  # integer id maps keep their type
-        lambda a: jnp.asarray(a, dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, drafter)
+        lambda a: jnp.asarray(a, dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, drafter
+    )
     # the drafter's vocabulary head in the draft weights type on the CPU kernel (its [in, out]
     # layers stay)
     drafter["lm_head"] = draft_weights(drafter["lm_head"])

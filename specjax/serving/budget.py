@@ -49,18 +49,20 @@ class BudgetedProposer(ProposerWrapper):
             tree, new_state = self.base.propose(params["base"], state, ctx, keys, sampling)
             keep = jnp.arange(tree.size)[None, :] < params["budget"]
             return tree.replace(valid=tree.valid & keep), new_state
-        shapes, _ = jax.eval_shape(
-            lambda: self.base.propose(params["base"], state, ctx, keys, sampling))
+        shapes, _ = jax.eval_shape(lambda: self.base.propose(params["base"], state, ctx, keys, sampling))
         b, t = shapes.tokens.shape
         root = jnp.arange(t)[None, :] == 0
         pending = ctx.tokens[jnp.arange(b), ctx.lengths - 1]
         tree = DraftTree(
             tokens=jnp.where(root, pending[:, None], 0).astype(shapes.tokens.dtype),
             parent=jnp.full((b, t), -1, shapes.parent.dtype),
-            depth=jnp.zeros((b, t), shapes.depth.dtype), valid=jnp.broadcast_to(root, (b, t)),
-            draft_logprobs=None if shapes.draft_logprobs is None else jnp.zeros(
-                shapes.draft_logprobs.shape, shapes.draft_logprobs.dtype),
-            acceptable=None if shapes.acceptable is None else jnp.broadcast_to(root, (b, t)))
+            depth=jnp.zeros((b, t), shapes.depth.dtype),
+            valid=jnp.broadcast_to(root, (b, t)),
+            draft_logprobs=None
+            if shapes.draft_logprobs is None
+            else jnp.zeros(shapes.draft_logprobs.shape, shapes.draft_logprobs.dtype),
+            acceptable=None if shapes.acceptable is None else jnp.broadcast_to(root, (b, t)),
+        )
         return tree, state
 
     def without_drafting(self) -> "BudgetedProposer | None":
@@ -77,8 +79,7 @@ class BudgetedProposer(ProposerWrapper):
         tree's depth)."""
         if not self.drafting:
             result = result.replace(path=result.path[:, :1])
-            ctx = ctx.replace(path_hidden=None if ctx.path_hidden is None
-                              else ctx.path_hidden[:, :1])
+            ctx = ctx.replace(path_hidden=None if ctx.path_hidden is None else ctx.path_hidden[:, :1])
         return self.base.update(params["base"], state, ctx, result, active)
 
 

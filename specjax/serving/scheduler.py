@@ -37,7 +37,7 @@ import numpy as np
 from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, bucket
 from specjax.cache import CacheFullError, PagedKVCache, block_table_array, pages_needed, token_pairs
-from specjax.generate import decode_step, prefill
+from specjax.decoding import decode_step, prefill
 from specjax.sampling import SamplingConfig
 from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
 from specjax.sharding import pinning
@@ -114,10 +114,12 @@ class Handle:
         return self.tokens
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "max_steps",
-                                             "mesh"), donate_argnames=("state",))
-def advance(params, config, proposer, proposer_params, sampling, state, limits, eos_ids,
-            refill, max_steps: int, mesh=None):
+@functools.partial(
+    jax.jit, static_argnames=("config", "proposer", "sampling", "max_steps", "mesh"), donate_argnames=("state",)
+)
+def advance(
+    params, config, proposer, proposer_params, sampling, state, limits, eos_ids, refill, max_steps: int, mesh=None
+):
     """Up to `max_steps` steps of every unfinished slot, stopping after the step in which the
     `refill`-th slot (int32) finished. limits: int32[B], each slot's max_new_tokens. With a
     `mesh` the state stays pinned to its shardings, as in the engine's loops."""
@@ -132,8 +134,7 @@ def advance(params, config, proposer, proposer_params, sampling, state, limits, 
         i, st = carry
         if proposer is None:
             return i + 1, pin(decode_step(params, config, sampling, st, limits, eos_ids))
-        return i + 1, pin(spec_step(params, config, proposer, proposer_params, sampling, st,
-                                    limits, eos_ids))
+        return i + 1, pin(spec_step(params, config, proposer, proposer_params, sampling, st, limits, eos_ids))
 
     with attention_mesh(mesh):
         return pin(jax.lax.while_loop(go_on, step, (jnp.int32(0), pin(state)))[1])
@@ -147,21 +148,34 @@ class Scheduler:
     scheduler while it runs.
     """
 
-    def __init__(self, engine, proposer=None, proposer_params=None, *, max_batch: int = 8,
-                 max_queue: int = 256, sync_steps: int = 4, admit_group: int = 4,
-                 prefill_chunk: int | None = 256, eos_token_ids=None, budget: bool = True,
-                 refill: int = 1, fill_slots: bool = False, fit_tables: bool = False):
+    def __init__(
+        self,
+        engine,
+        proposer=None,
+        proposer_params=None,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 256,
+        sync_steps: int = 4,
+        admit_group: int = 4,
+        prefill_chunk: int | None = 256,
+        eos_token_ids=None,
+        budget: bool = True,
+        refill: int = 1,
+        offline: bool = False,
+    ):
         """budget: choose each round how many tree nodes a step verifies, from measured cost
         and yield (`serving.budget`); False verifies the proposer's whole trees.
         prefill_chunk: the most prompt tokens a row prefills per round (None: whole prompts).
-        Offline batching (`specjax.continuous`) sets the last three: a round decodes until
-        `refill` slots finished; `fill_slots` prefills every free slot before decoding resumes
-        (a server admits one group per round, so running requests wait at most one prefill);
-        `fit_tables` cuts the block tables to what the running requests reach, shrinking too
-        (a server only grows them, so that it meets few shapes)."""
+        refill: a round decodes until this many slots finished.
+        offline (`specjax.continuous`, all prompts queued at once): every free slot is prefilled
+        before decoding resumes (a server admits one group per round, so running requests wait
+        at most one prefill), the batch keeps `max_batch` rows, and the block tables are cut to
+        what the running requests reach, shrinking too (a server sizes its batch to the load
+        and only grows its tables, so that it meets few shapes)."""
         if max_batch < 1 or sync_steps < 1 or admit_group < 1 or refill < 1:
             raise ValueError("max_batch, sync_steps, admit_group and refill must be >= 1")
-        self.refill, self.fill_slots, self.fit_tables = refill, fill_slots, fit_tables
+        self.refill, self.offline = refill, offline
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -171,8 +185,7 @@ class Scheduler:
         self._twins: set = set()  # batch shapes whose two step programs are compiled
         if proposer is not None and budget and len(budget_widths(proposer)) > 1:
             self.proposer = BudgetedProposer(proposer, budget_widths(proposer))
-            self.proposer_params = {"base": proposer_params,
-                                    "budget": jnp.int32(proposer.tree_size)}
+            self.proposer_params = {"base": proposer_params, "budget": jnp.int32(proposer.tree_size)}
             self.budget = SpeculationBudget(budget_widths(proposer))
             self._plain = self.proposer.without_drafting()  # width 1 without the draft's cost
         self.max_batch, self.max_queue, self.sync_steps = max_batch, max_queue, sync_steps
@@ -193,16 +206,33 @@ class Scheduler:
         self.emitted = [0]
         self.filled: list[int | None] = [None]  # prompt positions prefilled, while prefilling
         self.sampling: SamplingConfig | None = None  # the running batch's settings
-        self.stats = dict(requests=0, finished=0, cancelled=0, errors=0, new_tokens=0, steps=0,
-                          step_seconds=0.0, rounds=0, accepted_draft_tokens=0, prefill_chunks=0)
+        self.stats = dict(
+            requests=0,
+            finished=0,
+            cancelled=0,
+            errors=0,
+            new_tokens=0,
+            steps=0,
+            step_seconds=0.0,
+            rounds=0,
+            accepted_draft_tokens=0,
+            prefill_chunks=0,
+        )
         self.error: BaseException | None = None
         # pages per sequence the tables hold: grows with the longest request seen and never
         # shrinks, so a batch meets few shapes (each compiles while requests wait)
         self.pages_per_seq = 1
 
     # ---- the client side (any thread) -------------------------------------------------
-    def submit(self, prompt, max_new_tokens: int, *, sampling: SamplingConfig = SamplingConfig(),
-               seed: int = 0, notify: Callable | None = None) -> Handle:
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingConfig = SamplingConfig(),
+        seed: int = 0,
+        notify: Callable | None = None,
+    ) -> Handle:
         """Queue a request (raises QueueFull, or RequestError for one that can never run)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -211,12 +241,16 @@ class Scheduler:
             raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         need = len(prompt) + max_new_tokens + self.scratch
         if len(prompt) + max_new_tokens > self.engine.max_context:
-            raise RequestError(f"prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} "
-                               f"exceeds the model's context of {self.engine.max_context} tokens")
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} "
+                f"exceeds the model's context of {self.engine.max_context} tokens"
+            )
         if -(-need // self.engine.page_size) > self.engine.allocator.num_pages:
-            raise RequestError(f"prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} "
-                               f"needs more KV cache pages than the server has "
-                               f"({self.engine.allocator.num_pages})")
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} "
+                f"needs more KV cache pages than the server has "
+                f"({self.engine.allocator.num_pages})"
+            )
         handle = Handle(next(self._ids), prompt, int(max_new_tokens), sampling, int(seed), notify)
         with self._cv:
             if self._stopping:
@@ -303,9 +337,11 @@ class Scheduler:
                 stuck = not self.busy() and len(self._queue)  # nothing runs to free pages
                 state = self._round(state)
                 if stuck and len(self._queue) == stuck:
-                    raise CacheFullError(f"out of pages: a waiting prompt of "
-                                         f"{len(self._queue[0].prompt)} tokens does not fit the "
-                                         f"pool's {self.engine.allocator.num_pages} pages")
+                    raise CacheFullError(
+                        f"out of pages: a waiting prompt of "
+                        f"{len(self._queue[0].prompt)} tokens does not fit the "
+                        f"pool's {self.engine.allocator.num_pages} pages"
+                    )
                 ended = [h for h in pending if h.finished is not None]
                 if ended:
                     pending = [h for h in pending if h.finished is None]
@@ -342,25 +378,43 @@ class Scheduler:
         """Every slot free (done, its table on the sink page)."""
         engine, b = self.engine, len(self.owner)
         sink = engine.allocator.num_pages
-        cache = PagedKVCache(engine.k_pages, engine.v_pages, jnp.full((b, 1), sink, jnp.int32),
-                             jnp.zeros((b,), jnp.int32))
+        cache = PagedKVCache(
+            engine.k_pages, engine.v_pages, jnp.full((b, 1), sink, jnp.int32), jnp.zeros((b,), jnp.int32)
+        )
         engine.k_pages = engine.v_pages = None  # the loop owns them until _give_back
-        common = dict(tokens=jnp.zeros((b, engine.page_size + 1), jnp.int32),
-                      lengths=jnp.ones((b,), jnp.int32), prompt_lengths=jnp.ones((b,), jnp.int32),
-                      done=jnp.ones((b,), bool), steps=jnp.zeros((b,), jnp.int32),
-                      keys=jnp.zeros((b, 2), jnp.uint32), cache=cache)
+        common = dict(
+            tokens=jnp.zeros((b, engine.page_size + 1), jnp.int32),
+            lengths=jnp.ones((b,), jnp.int32),
+            prompt_lengths=jnp.ones((b,), jnp.int32),
+            done=jnp.ones((b,), bool),
+            steps=jnp.zeros((b,), jnp.int32),
+            keys=jnp.zeros((b, 2), jnp.uint32),
+            cache=cache,
+        )
         if self.proposer is None:
             return DecodeState(**common)
         p, config = self.proposer, engine.config
         width = config.hidden_size * max(1, len(p.feature_layers))
         features = jnp.zeros((b, width), engine.dtype)
-        ctx = SpecContext(common["tokens"], common["lengths"], cache.block_tables, features,
-                          prompt_hidden=jnp.zeros((b, 16, width), engine.dtype))
-        pstate = init_proposer(p, self.proposer_params, engine._pools_for(p), ctx,
-                               jnp.zeros((b, 16), jnp.int32), jnp.zeros((b,), jnp.int32),
-                               mesh=self.mesh)
-        return SpecState(**common, features=features, proposer_state=pstate,
-                         accepted_hist=jnp.zeros((b, p.tree_size), jnp.int32))
+        ctx = SpecContext(
+            common["tokens"],
+            common["lengths"],
+            cache.block_tables,
+            features,
+            prompt_hidden=jnp.zeros((b, 16, width), engine.dtype),
+        )
+        pstate = init_proposer(
+            p,
+            self.proposer_params,
+            engine._pools_for(p),
+            ctx,
+            jnp.zeros((b, 16), jnp.int32),
+            jnp.zeros((b,), jnp.int32),
+            mesh=self.mesh,
+        )
+        return SpecState(
+            **common, features=features, proposer_state=pstate, accepted_hist=jnp.zeros((b, p.tree_size), jnp.int32)
+        )
 
     def _release(self, s: int) -> None:
         self.engine.allocator.free(self.pages[s])
@@ -372,8 +426,10 @@ class Scheduler:
             return state
         idx = jnp.asarray(slots)
         c = state.cache
-        return state.replace(done=state.done.at[idx].set(True), cache=c.replace(
-            block_tables=c.block_tables.at[idx].set(self.engine.allocator.num_pages)))
+        return state.replace(
+            done=state.done.at[idx].set(True),
+            cache=c.replace(block_tables=c.block_tables.at[idx].set(self.engine.allocator.num_pages)),
+        )
 
     def _drop_cancelled(self, state):
         with self._cv:
@@ -432,7 +488,10 @@ class Scheduler:
         return taken
 
     def _rows_wanted(self) -> int:
-        """The batch size for the running requests and those that could join now."""
+        """The batch size for the running requests and those that could join now (offline: all
+        `max_batch` rows, a shape of its own for every size being worth less there)."""
+        if self.offline:
+            return self.max_batch
         want = min(self.busy() + len(self._queue), self.max_batch)
         rows = 1
         while rows < want:
@@ -449,11 +508,9 @@ class Scheduler:
         idx = np.asarray(keep + [0] * (want - len(keep)), np.int32)
         shared = {id(x) for x in (state.cache.k_pages + state.cache.v_pages)}
         if self.proposer is not None:
-            shared |= {id(x) for x in jax.tree_util.tree_leaves(
-                self.proposer.pools_of(state.proposer_state))}
+            shared |= {id(x) for x in jax.tree_util.tree_leaves(self.proposer.pools_of(state.proposer_state))}
         take = jnp.asarray(idx)
-        state = jax.tree_util.tree_map(
-            lambda x: x if id(x) in shared else jnp.take(x, take, axis=0), state)
+        state = jax.tree_util.tree_map(lambda x: x if id(x) in shared else jnp.take(x, take, axis=0), state)
         self.owner = [self.owner[s] for s in keep] + [None] * (want - len(keep))
         self.pages = [self.pages[s] for s in keep] + [[] for _ in range(want - len(keep))]
         self.emitted = [self.emitted[s] for s in keep] + [0] * (want - len(keep))
@@ -469,17 +526,16 @@ class Scheduler:
         filling = self._filling()
         if not filling:
             return state
-        state = self._prefill(state, filling[:self.group])
-        while self.fill_slots and (self._take() or self._filling()):
-            state = self._prefill(self._sized_tables(state), self._filling()[:self.group])
+        state = self._prefill(state, filling[: self.group])
+        while self.offline and (self._take() or self._filling()):
+            state = self._prefill(self._sized_tables(state), self._filling()[: self.group])
         return state
 
     def _sized_tables(self, state):
         """The state's block tables and token rows as wide as the running requests reach."""
         engine = self.engine
-        reach = max(len(h.prompt) + h.max_new_tokens + self.scratch
-                    for h in self.owner if h is not None)
-        if self.fit_tables:
+        reach = max(len(h.prompt) + h.max_new_tokens + self.scratch for h in self.owner if h is not None)
+        if self.offline:
             pps = pages_needed(bucket(reach), engine.page_size)
         else:
             self.pages_per_seq = max(self.pages_per_seq, -(-coarse(reach) // engine.page_size))
@@ -516,14 +572,24 @@ class Scheduler:
         prompts = [q for _, q, _ in runs] + [[0]] * pad
         cached = [c for _, _, c in runs] + [0] * pad
         table = block_table_array([self.pages[s] for s, _, _ in runs] + [[]] * pad, pps, sink)
-        chunks = [q[c:len(q) - 1] for q, c in zip(prompts, cached)]
+        chunks = [q[c : len(q) - 1] for q, c in zip(prompts, cached)]
         layers = () if p is None else tuple(p.feature_layers)
         c = state.cache
-        sub = PagedKVCache(c.k_pages, c.v_pages, jnp.asarray(table),  # prefill donates it
-                           jnp.asarray(cached, jnp.int32))
-        sub, last, hidden = prefill(engine.params, engine.config, sub, _packed(chunks),
-                                    jnp.asarray([len(x) for x in chunks], np.int32), layers,
-                                    mesh=self.mesh)
+        sub = PagedKVCache(
+            c.k_pages,
+            c.v_pages,
+            jnp.asarray(table),  # prefill donates it
+            jnp.asarray(cached, jnp.int32),
+        )
+        sub, last, hidden = prefill(
+            engine.params,
+            engine.config,
+            sub,
+            _packed(chunks),
+            jnp.asarray([len(x) for x in chunks], np.int32),
+            layers,
+            mesh=self.mesh,
+        )
         self.stats["prefill_chunks"] += len(runs)
         for s, q, _ in runs[n:]:
             self.filled[s] = len(q) - 1
@@ -534,29 +600,51 @@ class Scheduler:
         plen = np.asarray([len(q) for q in prompts], np.int32)
         rows = np.zeros((g, width), np.int32)
         for r, q in enumerate(prompts):
-            rows[r, :len(q)] = q
+            rows[r, : len(q)] = q
         keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([self.owner[s].seed for s, _, _ in runs]))
-        cache = PagedKVCache(sub.k_pages, sub.v_pages,
-                             c.block_tables.at[on].set(jnp.asarray(table[:n])),
-                             c.lengths.at[on].set(jnp.asarray(plen[:n] - 1)))
-        new = dict(tokens=state.tokens.at[on].set(jnp.asarray(rows[:n])),
-                   lengths=state.lengths.at[on].set(jnp.asarray(plen[:n])),
-                   prompt_lengths=state.prompt_lengths.at[on].set(jnp.asarray(plen[:n])),
-                   done=state.done.at[on].set(False), steps=state.steps.at[on].set(0),
-                   keys=state.keys.at[on].set(keys[:n].astype(state.keys.dtype)), cache=cache)
+        cache = PagedKVCache(
+            sub.k_pages,
+            sub.v_pages,
+            c.block_tables.at[on].set(jnp.asarray(table[:n])),
+            c.lengths.at[on].set(jnp.asarray(plen[:n] - 1)),
+        )
+        new = dict(
+            tokens=state.tokens.at[on].set(jnp.asarray(rows[:n])),
+            lengths=state.lengths.at[on].set(jnp.asarray(plen[:n])),
+            prompt_lengths=state.prompt_lengths.at[on].set(jnp.asarray(plen[:n])),
+            done=state.done.at[on].set(False),
+            steps=state.steps.at[on].set(0),
+            keys=state.keys.at[on].set(keys[:n].astype(state.keys.dtype)),
+            cache=cache,
+        )
         if p is None or not (n or p.resumes_from_prefix_pairs):
             return state.replace(**new)
         # init() runs from the first position prefill ran when it resumes from shared pairs,
         # else over the whole prompt (a draft model prefills its own cache)
         start = cached if p.resumes_from_prefix_pairs else [0] * g
-        ctx = SpecContext(jnp.asarray(rows), jnp.asarray(plen), jnp.asarray(table), last,
-                          prompt_hidden=hidden, prompt_start=jnp.asarray(start, jnp.int32))
-        fresh = init_proposer(p, self.proposer_params, p.pools_of(state.proposer_state), ctx,
-                              _packed([q[c:len(q) - 1] for q, c in zip(prompts, start)]),
-                              jnp.asarray(plen - 1), mesh=self.mesh)
-        return state.replace(**new, features=state.features.at[on].set(last[:n]),
-                             proposer_state=merge_rows(p, state.proposer_state, fresh, on),
-                             accepted_hist=state.accepted_hist.at[on].set(0))
+        ctx = SpecContext(
+            jnp.asarray(rows),
+            jnp.asarray(plen),
+            jnp.asarray(table),
+            last,
+            prompt_hidden=hidden,
+            prompt_start=jnp.asarray(start, jnp.int32),
+        )
+        fresh = init_proposer(
+            p,
+            self.proposer_params,
+            p.pools_of(state.proposer_state),
+            ctx,
+            _packed([q[c : len(q) - 1] for q, c in zip(prompts, start)]),
+            jnp.asarray(plen - 1),
+            mesh=self.mesh,
+        )
+        return state.replace(
+            **new,
+            features=state.features.at[on].set(last[:n]),
+            proposer_state=merge_rows(p, state.proposer_state, fresh, on),
+            accepted_hist=state.accepted_hist.at[on].set(0),
+        )
 
     def _compile_twin(self, args):
         """On a batch shape first met, compile the other of the two step programs (drafting,
@@ -583,16 +671,24 @@ class Scheduler:
             params = {**params, "budget": jnp.int32(width)}
             if width == 1 and self._plain is not None:
                 proposer = self._plain
-        args = (self.engine.params, self.engine.config, proposer, params, self.sampling, state,
-                jnp.asarray(limits), jnp.asarray(self.eos, jnp.int32).reshape(-1),
-                jnp.int32(self.refill), self.sync_steps)
+        args = (
+            self.engine.params,
+            self.engine.config,
+            proposer,
+            params,
+            self.sampling,
+            state,
+            jnp.asarray(limits),
+            jnp.asarray(self.eos, jnp.int32).reshape(-1),
+            jnp.int32(self.refill),
+            self.sync_steps,
+        )
         self._compile_twin(args)
         t0 = time.perf_counter()
         steps_before, lengths_before = np.asarray(state.steps), np.asarray(state.lengths)
         programs = advance._cache_size()
         state = advance(*args, mesh=self.mesh)
-        tokens, lengths, done, steps = (np.asarray(x) for x in (state.tokens, state.lengths,
-                                                                state.done, state.steps))
+        tokens, lengths, done, steps = (np.asarray(x) for x in (state.tokens, state.lengths, state.done, state.steps))
         seconds = time.perf_counter() - t0
         ran = steps - steps_before
         self.stats["step_seconds"] += seconds
@@ -600,13 +696,14 @@ class Scheduler:
         self.stats["steps"] += int(ran.max(initial=0))
         compiled = advance._cache_size() != programs  # the round's time is mostly compiling
         if self.budget is not None and ran.sum() and not compiled:
-            self.budget.record(len(self.owner), width, int(ran.max()), seconds,
-                               float((lengths - lengths_before).sum() / ran.sum()))
+            self.budget.record(
+                len(self.owner), width, int(ran.max()), seconds, float((lengths - lengths_before).sum() / ran.sum())
+            )
         hist = None if self.proposer is None else np.asarray(state.accepted_hist)
         finished = []
         for s in self.decoding():
             h = self.owner[s]
-            new = tokens[s, self.emitted[s]:lengths[s]].tolist()
+            new = tokens[s, self.emitted[s] : lengths[s]].tolist()
             self.emitted[s] = int(lengths[s])
             h.steps = int(steps[s])
             if hist is not None:
@@ -640,11 +737,11 @@ def resize_state(state, pages_per_seq: int, width: int):
         if table.shape[1] > pages_per_seq:
             table = table[:, :pages_per_seq]
         else:
-            table = jnp.pad(table, ((0, 0), (0, pages_per_seq - table.shape[1])),
-                            constant_values=sink)
+            table = jnp.pad(table, ((0, 0), (0, pages_per_seq - table.shape[1])), constant_values=sink)
     if tokens.shape[1] != width:
-        tokens = (tokens[:, :width] if tokens.shape[1] > width
-                  else jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1]))))
+        tokens = (
+            tokens[:, :width] if tokens.shape[1] > width else jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
+        )
     return state.replace(tokens=tokens, cache=c.replace(block_tables=table))
 
 
@@ -652,7 +749,7 @@ def _packed(runs) -> jax.Array:
     """int32[len(runs), coarse(longest)]: token runs, zero-padded to a shape of few sizes."""
     out = np.zeros((len(runs), coarse(max(map(len, runs)))), np.int32)
     for r, q in enumerate(runs):
-        out[r, :len(q)] = q
+        out[r, : len(q)] = q
     return jnp.asarray(out)
 
 
@@ -668,4 +765,5 @@ def merge_rows(proposer, state, fresh, slots):
     pools = {id(x) for x in jax.tree_util.tree_leaves(proposer.pools_of(fresh))}
     n = slots.shape[0]
     return jax.tree_util.tree_map(
-        lambda old, new: new if id(new) in pools else old.at[slots].set(new[:n]), state, fresh)
+        lambda old, new: new if id(new) in pools else old.at[slots].set(new[:n]), state, fresh
+    )

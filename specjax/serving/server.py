@@ -38,10 +38,12 @@ def _number(body, field, default, kind=float, lo=None, hi=None, lo_open=False):
     value = body.get(field, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (kind is int and not float(value).is_integer()):
-        raise FieldError(field, f"must be {'an integer' if kind is int else 'a number'}, got "
-                                f"{json.dumps(value)}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and not float(value).is_integer())
+    ):
+        raise FieldError(field, f"must be {'an integer' if kind is int else 'a number'}, got {json.dumps(value)}")
     value = kind(value)
     if lo is not None and (value < lo or (lo_open and value == lo)):
         raise FieldError(field, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
@@ -77,8 +79,9 @@ def parse_options(body: dict) -> dict:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise FieldError("stream", f"must be true or false, got {json.dumps(stream)}")
-    return dict(sampling=SamplingConfig(temperature, top_k, top_p), max_tokens=max_tokens,
-                seed=seed, stop=stop, stream=stream)
+    return dict(
+        sampling=SamplingConfig(temperature, top_k, top_p), max_tokens=max_tokens, seed=seed, stop=stop, stream=stream
+    )
 
 
 class TextStream:
@@ -96,32 +99,36 @@ class TextStream:
     def push(self, tokens: list[int], final: bool = False) -> str:
         self.tokens.extend(tokens)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop)
-                if i >= 0]
+        hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0]
         if hits:
-            text, self.stopped, final = text[:min(hits)], True, True
+            text, self.stopped, final = text[: min(hits)], True, True
         safe = len(text)
         if not final:
             while safe > self.sent and text[safe - 1] == "\ufffd":
                 safe -= 1  # a character whose bytes have not all arrived
             for s in self.stop:  # the text's end may be the start of a stop string
                 for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
-                    if text[safe - k:safe] == s[:k]:
+                    if text[safe - k : safe] == s[:k]:
                         safe -= k
                         break
         self.text = text
-        out, self.sent = text[self.sent:safe], max(self.sent, safe)
+        out, self.sent = text[self.sent : safe], max(self.sent, safe)
         return out
 
 
 def usage_of(handle, prompt_tokens: int) -> dict:
     completion = len(handle.tokens)
     drafted = handle.draft_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "steps": handle.steps,
-            "draft_tokens": drafted, "accepted_draft_tokens": handle.accepted_draft_tokens,
-            "acceptance_rate": round(handle.accepted_draft_tokens / drafted, 4) if drafted else 0.0,
-            "prompt_tokens_details": {"cached_tokens": handle.cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "steps": handle.steps,
+        "draft_tokens": drafted,
+        "accepted_draft_tokens": handle.accepted_draft_tokens,
+        "acceptance_rate": round(handle.accepted_draft_tokens / drafted, 4) if drafted else 0.0,
+        "prompt_tokens_details": {"cached_tokens": handle.cached_tokens},
+    }
 
 
 def _finish_reason(finished: Finished, stream: TextStream) -> str:
@@ -132,6 +139,7 @@ def _finish_reason(finished: Finished, stream: TextStream) -> str:
 
 def create_app(scheduler, tokenizer, model_name: str):
     """The FastAPI application serving `scheduler` (started and stopped with the app)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if scheduler._thread is None:
@@ -143,10 +151,12 @@ def create_app(scheduler, tokenizer, model_name: str):
     created = int(time.time())
 
     def error(status: int, message: str, param: str | None = None, headers=None):
-        kind = "invalid_request_error" if status == 400 else (
-            "rate_limit_error" if status == 429 else "server_error")
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                       "code": None}}, status_code=status, headers=headers)
+        kind = "invalid_request_error" if status == 400 else ("rate_limit_error" if status == 429 else "server_error")
+        return JSONResponse(
+            {"error": {"message": message, "type": kind, "param": param, "code": None}},
+            status_code=status,
+            headers=headers,
+        )
 
     async def read_body(request: Request) -> dict:
         try:
@@ -163,14 +173,19 @@ def create_app(scheduler, tokenizer, model_name: str):
             options = parse_options(body)
             if chat:
                 messages = body.get("messages")
-                if not (isinstance(messages, list) and messages and all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str)
-                        and isinstance(m.get("content"), str) for m in messages)):
-                    raise FieldError("messages", "must be a non-empty list of {role, content} "
-                                                 "objects with string content")
+                if not (
+                    isinstance(messages, list)
+                    and messages
+                    and all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in messages
+                    )
+                ):
+                    raise FieldError(
+                        "messages", "must be a non-empty list of {role, content} objects with string content"
+                    )
                 try:
-                    prompt = encode_chat(tokenizer, [{"role": m["role"], "content": m["content"]}
-                                                     for m in messages])
+                    prompt = encode_chat(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
                 except PromptError as e:
                     raise FieldError("messages", str(e)) from None
             else:
@@ -186,8 +201,12 @@ def create_app(scheduler, tokenizer, model_name: str):
         events: asyncio.Queue = asyncio.Queue()
         try:
             handle = scheduler.submit(
-                prompt, options["max_tokens"], sampling=options["sampling"], seed=options["seed"],
-                notify=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+                prompt,
+                options["max_tokens"],
+                sampling=options["sampling"],
+                seed=options["seed"],
+                notify=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            )
         except QueueFull as e:
             return error(429, str(e), headers={"Retry-After": "1"})
         except RequestError as e:
@@ -223,24 +242,38 @@ def create_app(scheduler, tokenizer, model_name: str):
             reason = _finish_reason(finished, text)
             answer = "".join(pieces)
             if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": answer},
-                          "finish_reason": reason, "logprobs": None}
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": answer},
+                    "finish_reason": reason,
+                    "logprobs": None,
+                }
             else:
                 choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
-            return JSONResponse({"id": rid, "object": "chat.completion" if chat else
-                                 "text_completion", "created": int(time.time()),
-                                 "model": model_name, "choices": [choice], "usage": usage})
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": model_name,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
 
         def chunk(piece: str | None, reason: str | None, usage=None, first=False) -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else (
-                    {"content": piece} if piece else {})
+                delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": reason,
-                          "logprobs": None}
-            out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                   "created": int(time.time()), "model": model_name, "choices": [choice]}
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+            out = {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [choice],
+            }
             if usage is not None:
                 out["usage"] = usage
             return f"data: {json.dumps(out)}\n\n"
@@ -281,8 +314,10 @@ def create_app(scheduler, tokenizer, model_name: str):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": created, "owned_by": "specjax"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specjax"}],
+        }
 
     @app.get("/health")
     async def health():
@@ -303,19 +338,29 @@ def prometheus_text(scheduler) -> str:
     rows = [
         ("specjax_requests_total", "counter", "requests accepted into the queue", s["requests"]),
         ("specjax_requests_finished_total", "counter", "requests answered in full", s["finished"]),
-        ("specjax_requests_cancelled_total", "counter", "requests cancelled (client gone, stop "
-                                                        "string)", s["cancelled"]),
+        (
+            "specjax_requests_cancelled_total",
+            "counter",
+            "requests cancelled (client gone, stop string)",
+            s["cancelled"],
+        ),
         ("specjax_queue_depth", "gauge", "requests waiting for a slot", scheduler.queue_depth()),
         ("specjax_running_requests", "gauge", "requests holding a slot", scheduler.busy()),
         ("specjax_generated_tokens_total", "counter", "tokens generated", s["new_tokens"]),
-        ("specjax_steps_total", "counter", "decoding steps (target passes) of the batch",
-         s["steps"]),
-        ("specjax_step_seconds_total", "counter", "seconds spent in decoding steps",
-         round(s["step_seconds"], 6)),
-        ("specjax_accepted_draft_tokens_total", "counter", "drafted tokens accepted (finished "
-                                                           "requests)", s["accepted_draft_tokens"]),
-        ("specjax_tokens_per_step", "gauge", "tokens generated per batch step so far",
-         round(s["new_tokens"] / s["steps"], 4) if s["steps"] else 0.0),
+        ("specjax_steps_total", "counter", "decoding steps (target passes) of the batch", s["steps"]),
+        ("specjax_step_seconds_total", "counter", "seconds spent in decoding steps", round(s["step_seconds"], 6)),
+        (
+            "specjax_accepted_draft_tokens_total",
+            "counter",
+            "drafted tokens accepted (finished requests)",
+            s["accepted_draft_tokens"],
+        ),
+        (
+            "specjax_tokens_per_step",
+            "gauge",
+            "tokens generated per batch step so far",
+            round(s["new_tokens"] / s["steps"], 4) if s["steps"] else 0.0,
+        ),
     ]
     out = []
     for name, kind, help_text, value in rows:

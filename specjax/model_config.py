@@ -47,15 +47,6 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
-    def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.attention_bias else 0)
-        per_layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else v * d
-        return v * d + self.num_layers * per_layer + d + head
-
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config dict; unsupported architectures are named."""
@@ -66,9 +57,7 @@ class ModelConfig:
             arch = by_type.get(cfg.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             name = arch or cfg.get("model_type") or "<none>"
-            raise ConfigError(
-                f"unsupported architecture '{name}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+            raise ConfigError(f"unsupported architecture '{name}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -86,8 +75,7 @@ class ModelConfig:
                 elif kind != "llama3":
                     raise ConfigError(f"unsupported rope_scaling type '{kind}' (supported: llama3)")
                 else:
-                    keep = ("factor", "low_freq_factor", "high_freq_factor",
-                            "original_max_position_embeddings")
+                    keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                     rope_scaling = tuple(sorted((k, float(rope_scaling[k])) for k in keep))
             act = cfg.get("hidden_act", "silu")
             if act != "silu":
@@ -134,15 +122,13 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None
-            else {"rope_type": "llama3", **dict(self.rope_scaling)},
+            "rope_scaling": None if self.rope_scaling is None else {"rope_type": "llama3", **dict(self.rope_scaling)},
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
             "torch_dtype": "float32",
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
-            else self.eos_token_ids[0],
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
         if self.model_type == "llama":
             out["attention_bias"] = self.attention_bias

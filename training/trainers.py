@@ -4,7 +4,7 @@ A method is a frozen (hashable) dataclass, so it is a static argument of the jit
 It declares the features it needs (`feature_spec`), builds its trainable parameters, computes its
 loss from a batch (base parameters are inputs, never trained), writes the specjax head checkpoint
 that `specjax generate --heads` / the proposers load, and builds the proposer that evaluates it.
-New methods (EAGLE-3, ReDrafter) register in METHODS with the same interface.
+Medusa, EAGLE (EAGLE-1/2), EAGLE-3 and ReDrafter register in METHODS with the same interface.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
 from specjax.model import init_params as init_model_params
 from specjax.model import lm_head_weight
+from specjax.model_config import ModelConfig
 from specjax.training import losses
 from specjax.training.features import FeatureSpec, scratch_cache
 
@@ -100,8 +100,7 @@ class MedusaMethod(TrainMethod):
 
     def __post_init__(self):
         if self.draft_vocab_loss and self.own_lm_head:
-            raise ValueError("Medusa's draft-vocabulary loss needs the shared lm_head "
-                             "(own_lm_head=False)")
+            raise ValueError("Medusa's draft-vocabulary loss needs the shared lm_head (own_lm_head=False)")
 
     def logits(self, params, base_params, config, features, rows=None):
         """Head logits [B, T, K, V] of features [B, T, D] (V: the shared head's `rows` if given)."""
@@ -117,15 +116,15 @@ class MedusaMethod(TrainMethod):
         tokens, rows = batch["tokens"], None
         if self.draft_vocab_loss:  # labels as draft-vocabulary indices; other tokens not scored
             rows = frozen["draft_ids"]
-            index = jnp.full((config.vocab_size,), -1, jnp.int32).at[rows].set(
-                jnp.arange(rows.shape[0], dtype=jnp.int32))
+            index = (
+                jnp.full((config.vocab_size,), -1, jnp.int32).at[rows].set(jnp.arange(rows.shape[0], dtype=jnp.int32))
+            )
             tokens = index[tokens]
             mask = mask & (tokens >= 0)
             tokens = jnp.maximum(tokens, 0)
         feats, pos, ok = batch["final"], None, None
         if self.loss_positions:  # among positions where some head has a label
-            pos, ok = losses.sample_positions(key, losses.labelled(mask, self.num_heads),
-                                              self.loss_positions)
+            pos, ok = losses.sample_positions(key, losses.labelled(mask, self.num_heads), self.loss_positions)
             feats = jnp.take_along_axis(feats, pos[..., None], axis=1)
         logits = self.logits(params, frozen["base"], config, feats, rows)
         return losses.medusa_loss(logits, tokens, mask, self.decay, pos, ok)
@@ -136,9 +135,13 @@ class MedusaMethod(TrainMethod):
         return {"draft_ids": frequent_answer_tokens(store, config.vocab_size)}
 
     def export(self, params, frozen, config):
-        meta = {"num_heads": self.num_heads, "num_layers": self.num_layers,
-                "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-                "own_lm_head": self.own_lm_head}
+        meta = {
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "own_lm_head": self.own_lm_head,
+        }
         if "draft_ids" in frozen:
             params = {**params, "draft_ids": np.asarray(frozen["draft_ids"], np.int32)}
         return params, meta
@@ -151,20 +154,19 @@ class MedusaMethod(TrainMethod):
         want = (self.num_heads, self.num_layers, self.own_lm_head)
         got = (int(meta["num_heads"]), int(meta["num_layers"]), bool(meta.get("own_lm_head", True)))
         if got != want:
-            raise ValueError(f"{path} holds Medusa heads (num_heads, num_layers, own_lm_head) = "
-                             f"{got}, the run asks for {want}")
+            raise ValueError(
+                f"{path} holds Medusa heads (num_heads, num_layers, own_lm_head) = {got}, the run asks for {want}"
+            )
         variables = {k: v for k, v in variables.items() if k != "draft_ids"}  # from the data
         return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), variables)
 
     def proposer(self, heads_dir, model, **options):
         from specjax.methods import make_proposer
 
-        return make_proposer("medusa", model, heads=str(heads_dir),
-                             medusa_choices=options.get("medusa_choices"))
+        return make_proposer("medusa", model, heads=str(heads_dir), medusa_choices=options.get("medusa_choices"))
 
 
-def unroll_draft(forward, params, dcfg: ModelConfig, embed, tokens, features, valid,
-                 steps: int) -> list:
+def unroll_draft(forward, params, dcfg: ModelConfig, embed, tokens, features, valid, steps: int) -> list:
     """Draft outputs [B, T, D] of each step of the training-time test (EAGLE-3; HASS for EAGLE).
 
     Step 0 reads (token t + 1, feature t); step i > 0 reads (token t + 1 + i, its own step i - 1
@@ -184,8 +186,9 @@ def unroll_draft(forward, params, dcfg: ModelConfig, embed, tokens, features, va
         tree_mask = jnp.concatenate([causal] + [eye] * i, axis=-1)  # [B, T, (i+1) T]
         slots = jnp.broadcast_to(i * t + pos, (b, t))
         positions = jnp.broadcast_to(pos + i, (b, t))
-        h, cache = forward(params, dcfg, embed, losses.shift_left(tokens, 1 + i), h, positions,
-                           cache, tree_mask, valid, slots)
+        h, cache = forward(
+            params, dcfg, embed, losses.shift_left(tokens, 1 + i), h, positions, cache, tree_mask, valid, slots
+        )
         outs.append(h)
     return outs
 
@@ -241,8 +244,7 @@ class EagleMethod(TrainMethod):
         layers = init_model_params(self.draft_config(config), k1, jnp.float32)["layers"]
         del layers[0]["attn_norm"]
         d = config.hidden_size
-        fc = {"kernel": 0.02 * jax.random.normal(k2, (2 * d, d), jnp.float32),
-              "bias": jnp.zeros((d,), jnp.float32)}
+        fc = {"kernel": 0.02 * jax.random.normal(k2, (2 * d, d), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
         return {"fc": fc, "layers": layers}
 
     def draft(self, params, base_params, config, tokens, features, valid) -> list:
@@ -250,14 +252,14 @@ class EagleMethod(TrainMethod):
         (tokens [B, T]: the sequence; features: the target's feature of t, step 0's input)."""
         from specjax.proposers.eagle_net import eagle_forward
 
-        return unroll_draft(eagle_forward, params, self.draft_config(config),
-                            base_params["embed"], tokens, features, valid, self.steps)
+        return unroll_draft(
+            eagle_forward, params, self.draft_config(config), base_params["embed"], tokens, features, valid, self.steps
+        )
 
     def loss(self, params, frozen, config, batch, key):
         base_params = frozen["base"]
         valid = batch["valid"]
-        _, feats, _, mask = losses.eagle_shift(batch["tokens"], batch["final"], batch["mask"],
-                                               valid)
+        _, feats, _, mask = losses.eagle_shift(batch["tokens"], batch["final"], batch["mask"], valid)
         if self.noise_std > 0:
             lengths = jnp.sum(valid, axis=1)
             noisy = losses.uniform_feature_noise(key, feats, lengths, self.noise_std)
@@ -271,12 +273,11 @@ class EagleMethod(TrainMethod):
             m = losses.shift_left(mask, i) & valid  # f_{t+1+i} exists and t + i is scored
             pos = ok = None
             if self.loss_positions:
-                pos, ok = losses.sample_positions(jax.random.fold_in(key, 1 + i), m,
-                                                  self.loss_positions)
-            step_loss, metrics = losses.eagle_loss(pred, losses.shift_left(batch["final"], 1 + i),
-                                                   head, m, self.v_w, self.p_w, pos, ok,
-                                                   self.token_loss)
-            total = total + self.decay ** i * step_loss
+                pos, ok = losses.sample_positions(jax.random.fold_in(key, 1 + i), m, self.loss_positions)
+            step_loss, metrics = losses.eagle_loss(
+                pred, losses.shift_left(batch["final"], 1 + i), head, m, self.v_w, self.p_w, pos, ok, self.token_loss
+            )
+            total = total + self.decay**i * step_loss
             steps.append((step_loss, metrics))
         if len(steps) == 1:
             return steps[0]
@@ -289,12 +290,14 @@ class EagleMethod(TrainMethod):
         return {"draft_ids": frequent_answer_tokens(store, config.vocab_size)}
 
     def export(self, params, frozen, config):
-        variables = {"fc": params["fc"],
-                     "layers": {str(i): layer for i, layer in enumerate(params["layers"])}}
+        variables = {"fc": params["fc"], "layers": {str(i): layer for i, layer in enumerate(params["layers"])}}
         if "draft_ids" in frozen:
             variables["draft_ids"] = np.asarray(frozen["draft_ids"], np.int32)
-        meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-                "config": self.draft_config(config).to_hf()}
+        meta = {
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "config": self.draft_config(config).to_hf(),
+        }
         return variables, meta
 
     def params_from_heads(self, path, config):
@@ -306,8 +309,9 @@ class EagleMethod(TrainMethod):
         dcfg, params = load_eagle_heads(path)
         params.pop("draft_ids", None)  # recomputed from the data (constants)
         if dcfg.num_layers > self.num_layers:
-            raise ValueError(f"{path} holds an EAGLE draft of {dcfg.num_layers} layers, the run "
-                             f"asks for {self.num_layers}")
+            raise ValueError(
+                f"{path} holds an EAGLE draft of {dcfg.num_layers} layers, the run asks for {self.num_layers}"
+            )
         params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
         params["layers"] = grown_layers(params["layers"], self.num_layers)
         return params
@@ -324,13 +328,11 @@ class EagleMethod(TrainMethod):
         dtype = model.params["embed"].dtype
         net = jax.tree_util.tree_map(lambda a: a.astype(dtype), net)
         proposer = EagleChainProposer(dcfg, max_draft_len=options.get("max_draft_len", 4))
-        pparams = {"net": net, "embed": model.params["embed"],
-                   "lm_head": lm_head_weight(model.params)}
+        pparams = {"net": net, "embed": model.params["embed"], "lm_head": lm_head_weight(model.params)}
         if ids is not None:  # draft from the rows of the tokens seen in training
             from specjax.proposers.eagle_net import draft_vocabulary
 
-            pparams["lm_head"], pparams["draft_ids"] = draft_vocabulary(pparams["lm_head"], ids,
-                                                                        None)
+            pparams["lm_head"], pparams["draft_ids"] = draft_vocabulary(pparams["lm_head"], ids, None)
         # packed once for the CPU kernel (float32 kept: the heads draft as trained), not per call
         from specjax.cpu.draft_weights import draft_weights, use_draft_weights
 
@@ -405,8 +407,11 @@ class Eagle3Method(TrainMethod):
                 np.add.at(counts, np.asarray(s["tokens"])[np.asarray(s["mask"])], 1)
             d2t = d2t_from_counts(counts, config.vocab_size, self._vocab(config))
         kept = np.arange(len(d2t)) + d2t
-        return {"d2t": jnp.asarray(d2t), "kept": jnp.asarray(kept, jnp.int32),
-                "t2d": jnp.asarray(np.isin(np.arange(config.vocab_size), kept))}
+        return {
+            "d2t": jnp.asarray(d2t),
+            "kept": jnp.asarray(kept, jnp.int32),
+            "t2d": jnp.asarray(np.isin(np.arange(config.vocab_size), kept)),
+        }
 
     def init_params(self, key, frozen, config):
         from specjax.proposers.eagle3_net import init_eagle3_params
@@ -419,14 +424,20 @@ class Eagle3Method(TrainMethod):
 
     def unroll(self, params, frozen, config, batch):
         """Draft log-probabilities [K, B, T, N] of the training-time test over a batch."""
-        from specjax.proposers.eagle3_net import draft_config, eagle3_forward, eagle3_fuse, \
-            eagle3_logprobs
+        from specjax.proposers.eagle3_net import draft_config, eagle3_forward, eagle3_fuse, eagle3_logprobs
 
         dcfg = draft_config(config)
         feats = jnp.concatenate([batch[f"layer_{i}"] for i in self.feature_layers(config)], -1)
-        outs = unroll_draft(eagle3_forward, params, dcfg, frozen["base"]["embed"],
-                            batch["tokens"], eagle3_fuse(params, feats), batch["valid"],
-                            self.steps)
+        outs = unroll_draft(
+            eagle3_forward,
+            params,
+            dcfg,
+            frozen["base"]["embed"],
+            batch["tokens"],
+            eagle3_fuse(params, feats),
+            batch["valid"],
+            self.steps,
+        )
         return jnp.stack([eagle3_logprobs(params, dcfg, x) for x in outs])
 
     def loss(self, params, frozen, config, batch, key):
@@ -436,8 +447,7 @@ class Eagle3Method(TrainMethod):
         in_vocab = frozen["t2d"][jnp.argmax(full, -1)]
         target = jnp.take(full, frozen["kept"], axis=-1)
         logp = self.unroll(params, frozen, config, batch)
-        return losses.eagle3_loss(logp, target, in_vocab, batch["mask"] & batch["valid"],
-                                  batch["valid"], self.decay)
+        return losses.eagle3_loss(logp, target, in_vocab, batch["mask"] & batch["valid"], batch["valid"], self.decay)
 
     def export(self, params, frozen, config):
         from specjax.proposers.eagle3_net import draft_config
@@ -445,10 +455,13 @@ class Eagle3Method(TrainMethod):
         variables = {k: v for k, v in params.items() if k != "layers"}
         variables["layers"] = {str(i): layer for i, layer in enumerate(params["layers"])}
         variables["d2t"] = np.asarray(frozen["d2t"], np.int32)
-        meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-                "feature_layers": list(self.feature_layers(config)),
-                "draft_vocab_size": int(params["lm_head"].shape[0]),
-                "config": draft_config(config).to_hf()}
+        meta = {
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "feature_layers": list(self.feature_layers(config)),
+            "draft_vocab_size": int(params["lm_head"].shape[0]),
+            "config": draft_config(config).to_hf(),
+        }
         return variables, meta
 
     def params_from_heads(self, path, config):
@@ -505,7 +518,7 @@ class ReDrafterMethod(TrainMethod):
             for i in range(len(store)):
                 s = store.sequence(i)
                 np.add.at(counts, np.asarray(s["tokens"])[np.asarray(s["mask"])], 1)
-            ids = np.argsort(-counts, kind="stable")[:self.draft_vocab_size].astype(np.int32)
+            ids = np.argsort(-counts, kind="stable")[: self.draft_vocab_size].astype(np.int32)
         t2d = np.full(config.vocab_size, -1, np.int32)
         t2d[ids] = np.arange(len(ids), dtype=np.int32)
         return {"draft_ids": jnp.asarray(ids), "t2d": jnp.asarray(t2d)}
@@ -514,8 +527,7 @@ class ReDrafterMethod(TrainMethod):
         from specjax.proposers.redrafter import init_params
 
         vocab = len(frozen["draft_ids"]) if "draft_ids" in frozen else config.vocab_size
-        return init_params(key, config.hidden_size, vocab, num_draft_layers=self.num_layers,
-                           rnn=self.rnn)
+        return init_params(key, config.hidden_size, vocab, num_draft_layers=self.num_layers, rnn=self.rnn)
 
     def logits(self, params, frozen, batch, positions=None):
         """Drafter logits [B, P, K, V] at positions [B, P] (default all): step i reads
@@ -547,15 +559,17 @@ class ReDrafterMethod(TrainMethod):
             labels = jnp.maximum(labels, 0)
         pos = ok = None
         if self.loss_positions:  # among positions where some step has a label
-            pos, ok = losses.sample_positions(key, losses.labelled(mask, self.steps),
-                                              self.loss_positions)
-        return losses.redrafter_loss(self.logits(params, frozen, batch, pos), labels, mask, pos,
-                                     ok)
+            pos, ok = losses.sample_positions(key, losses.labelled(mask, self.steps), self.loss_positions)
+        return losses.redrafter_loss(self.logits(params, frozen, batch, pos), labels, mask, pos, ok)
 
     def export(self, params, frozen, config):
-        meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-                "exit_dim": 2 * config.hidden_size, "num_draft_layers": self.num_layers,
-                "rnn": self.rnn}
+        meta = {
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "exit_dim": 2 * config.hidden_size,
+            "num_draft_layers": self.num_layers,
+            "rnn": self.rnn,
+        }
         if "draft_ids" in frozen:
             params = {**params, "draft_ids": np.asarray(frozen["draft_ids"], np.int32)}
             meta["draft_vocab_size"] = int(len(frozen["draft_ids"]))
@@ -569,7 +583,11 @@ class ReDrafterMethod(TrainMethod):
         check_compatible(meta, config, path)
         want_vocab = self.draft_vocab_size if self._reduced(config) else config.vocab_size
         if (meta["num_draft_layers"], meta["rnn"], meta["exit_dim"], meta["draft_vocab_size"]) != (
-                self.num_layers, self.rnn, 2 * config.hidden_size, want_vocab):
+            self.num_layers,
+            self.rnn,
+            2 * config.hidden_size,
+            want_vocab,
+        ):
             raise ValueError(f"{path} holds a ReDrafter of another shape than the run asks for")
         params = {k: v for k, v in params.items() if k != "draft_ids"}
         return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
@@ -580,8 +598,12 @@ class ReDrafterMethod(TrainMethod):
         return make_redrafter(model, str(heads_dir))
 
 
-METHODS: dict[str, type] = {"medusa": MedusaMethod, "eagle": EagleMethod, "eagle3": Eagle3Method,
-                            "redrafter": ReDrafterMethod}
+METHODS: dict[str, type] = {
+    "medusa": MedusaMethod,
+    "eagle": EagleMethod,
+    "eagle3": Eagle3Method,
+    "redrafter": ReDrafterMethod,
+}
 
 
 def make_method(name: str, **options) -> TrainMethod:
@@ -593,8 +615,9 @@ def make_method(name: str, **options) -> TrainMethod:
     fields = method_options(name)
     unknown = sorted(k for k, v in options.items() if k not in fields and v is not None)
     if unknown:
-        raise ValueError(f"training method '{name}' has no option {', '.join(unknown)} "
-                         f"(its options: {', '.join(sorted(fields))})")
+        raise ValueError(
+            f"training method '{name}' has no option {', '.join(unknown)} (its options: {', '.join(sorted(fields))})"
+        )
     return METHODS[name](**{k: v for k, v in options.items() if v is not None})
 
 
