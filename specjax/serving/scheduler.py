@@ -1,5 +1,7 @@
-"""Online continuous batching for every method: requests arrive at any time; between steps the
-loop admits them into free slots, hands new tokens to their streams and frees finished or
+"""Continuous batching for every method, the one batcher: online, requests arrive at any time
+(a thread runs the loop, `start`); offline, every prompt is queued at once and the loop runs in
+the caller's thread (`drain`, behind `Engine.generate_continuous`). Between steps the loop
+admits requests into free slots, hands new tokens to their streams and frees finished or
 cancelled ones.
 
 One thread owns the engine and runs a batch of slots, as many as a power of two (up to
