@@ -289,6 +289,7 @@ class MedusaConfig(_TopKTree):
     """Medusa heads over `medusa_choices` (paths of top-k ranks, or a named tree)."""
 
     method: ClassVar[str] = "medusa"
+    heads_kind: ClassVar[str] = "medusa"  # the head checkpoints it reads (`specjax.heads`)
     title: ClassVar[str] = "Medusa"
     medusa_choices: object = option(
         None,
@@ -352,6 +353,11 @@ class EagleConfig(_TopKTree):
         metavar="N",
     )
 
+    @property
+    def heads_kind(self) -> str:
+        """EAGLE-1 and EAGLE-2 read EAGLE heads; EAGLE-3 its own."""
+        return "eagle3" if self.method == "eagle3" else "eagle"
+
     def check(self):
         if self.method not in ("eagle", "eagle2", "eagle3"):
             raise MethodError(f"EagleConfig.method is eagle, eagle2 or eagle3, not {self.method!r}")
@@ -363,6 +369,7 @@ class RedrafterConfig(HeadMethod):
     """ReDrafter: beams drafted by a recurrent head, beam search over its best tokens."""
 
     method: ClassVar[str] = "redrafter"
+    heads_kind: ClassVar[str] = "redrafter"
     title: ClassVar[str] = "ReDrafter: recurrent drafter + beam search"
     redrafter_num_beams: int | None = option(
         None,

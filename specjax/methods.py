@@ -11,6 +11,7 @@ import jax
 from specjax.draft_tree import check_confidence_floor
 from specjax.loading import Model, load_model
 from specjax.method_configs import (  # noqa: F401
+    CONFIGS,
     METHODS,
     DraftModelConfig,
     EagleConfig,
@@ -30,9 +31,9 @@ from specjax.proposers.draft_model import self_draft_config
 DEFAULT_DRAFT_LAYERS = 8
 
 # Trained heads shipped for embedded models, package data (so a wheel has them too):
-# specjax/shipped_heads/<model name>/<kind>/. Which kind of heads each method reads:
+# specjax/shipped_heads/<model name>/<kind>/. Which kind of heads each method reads (its config's heads_kind):
 SHIPPED_HEADS = Path(__file__).resolve().parent / "shipped_heads"
-HEAD_KINDS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3", "redrafter": "redrafter"}
+HEAD_KINDS = {m: method_config(m).heads_kind for m, c in CONFIGS.items() if issubclass(c, HeadMethod)}
 
 
 def shipped_heads(model: Model, method: str) -> Path | None:
