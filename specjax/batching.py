@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.cache import PagedKVCache
@@ -56,6 +57,22 @@ def bucket(n: int, minimum: int = 16, steps_per_octave: int = 4) -> int:
     n = max(n, minimum)
     step = max(1, (1 << (n - 1).bit_length()) // (2 * steps_per_octave))
     return -(-n // step) * step
+
+
+MAX_SEED = 2**64 - 1
+
+
+def seed_keys(seeds) -> np.ndarray:
+    """uint32[n, 2]: the PRNG key of each integer seed in [-2**31, 2**64): its high and low 32
+    bits, which is `jax.random.PRNGKey(seed)` for every seed that takes (int32 ones, negative
+    ones as their low 32 bits), so any 64-bit seed, such as a random uint64, has a key of its own."""
+    out = np.empty((len(seeds), 2), np.uint32)
+    for i, s in enumerate(seeds):
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not -(2**31) <= int(s) <= MAX_SEED:
+            raise GenerationError(f"a seed is an integer in [-2**31, 2**64), got {s!r}")
+        s = int(s)
+        out[i] = (0 if s < 0 else s >> 32, s & 0xFFFFFFFF)
+    return out
 
 
 def seed_list(seeds, n: int) -> list[int]:

@@ -297,11 +297,15 @@ def cmd_serve(args) -> int:
         prefill_chunk=args.prefill_chunk or None,
         budget=not args.fixed_speculation,
     )
-    app = create_app(scheduler, model.tokenizer, args.served_model_name or args.model)
+    app = create_app(scheduler, model.tokenizer, args.served_model_name or args.model, exit_on_failure=True)
     print(
         f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # SIGTERM: stop admitting, wait up to 10 s for running requests, cancel the rest, exit
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    if scheduler.error is not None:
+        print("specjax serve: the decoding loop stopped; exiting so that a supervisor restarts it", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.batching import DecodeState, GenerationError, bucket, seed_list
+from specjax.batching import DecodeState, GenerationError, bucket, seed_keys, seed_list
 from specjax.cache import PageAllocator, PagedKVCache, block_table_array, init_pages, pages_needed
 from specjax.decoding import decode_loop, decode_step, host_array, keep_decoding, prefill  # noqa: F401 (public here)
 from specjax.model_config import ModelConfig
@@ -301,7 +301,7 @@ class Engine:
             buf[i, : len(p)] = p
         tokens = put(buf)
         lengths = put(np.asarray(lens, np.int32))
-        keys = put(np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds))))
+        keys = put(seed_keys(seeds))
         limit = put1(np.int32(min(max_new_tokens, 1) if warmup else max_new_tokens))
         eos_arr = put1(np.asarray(eos, np.int32).reshape(-1))
         done = put(np.full((b,), max_new_tokens == 0))

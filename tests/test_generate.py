@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specjax import Engine, SamplingConfig, SamplingError, load_model
+from specjax import Engine, GenerationError, SamplingConfig, SamplingError, load_model
 from specjax.sampling import processed_logprobs, sample_tokens
 
 
@@ -348,3 +348,19 @@ def test_continuous_batching_early_close_and_zero_tokens(tiny):
     assert [r.token_ids for r in eng.generate_continuous(MANY[:2], 0)] == [[], []]
     with pytest.raises(ValueError, match="slots"):
         list(eng.generate_continuous(MANY, 4, slots=0))
+
+
+def test_seed_keys_extend_prngkey_to_64_bit_seeds():
+    """Every seed `jax.random.PRNGKey` takes keeps its key (answers reproduce as before); seeds
+    up to 2**64 - 1 get keys of their own; others are refused by name."""
+    import numpy as np
+
+    from specjax.batching import seed_keys
+
+    small = [0, 7, 2**31 - 1, -1, -(2**31)]
+    assert (seed_keys(small) == np.stack([np.asarray(jax.random.PRNGKey(s)) for s in small])).all()
+    big = seed_keys([5, 2**32 + 5, 2**63, 2**64 - 1])
+    assert len({tuple(k) for k in big}) == 4
+    for bad in (2**64, -(2**31) - 1, 1.5, True):
+        with pytest.raises(GenerationError, match="seed"):
+            seed_keys([bad])

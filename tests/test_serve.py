@@ -42,13 +42,13 @@ PROMPTS = [
 
 
 @contextlib.contextmanager
-def serving(model, method="vanilla", heads=None, **scheduler_options):
+def serving(model, method="vanilla", heads=None, exit_on_failure=False, **scheduler_options):
     """A server on a free local port in this process; yields (base url, scheduler)."""
     options = {} if heads is None else {"heads": str(heads)}
     proposer, pparams = make_proposer(method, model, **options)
     engine = Engine(model.params, model.config, num_pages=scheduler_options.pop("num_pages", 128), page_size=16)
     sched = Scheduler(engine, proposer, pparams, **scheduler_options)
-    with running_in_thread(create_app(sched, model.tokenizer, "tiny")) as url:
+    with running_in_thread(create_app(sched, model.tokenizer, "tiny", exit_on_failure=exit_on_failure)) as url:
         yield url, sched
 
 
@@ -167,6 +167,12 @@ def test_sampled_answers_reproduce_for_a_seed_whatever_runs_beside(tiny):
         ({}, "prompt"),
         ({"prompt": "hi " * 400, "max_tokens": 200}, "context"),
         ({"messages": "hi"}, "messages"),
+        (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "hi", "top_p": Infinity}', "top_p"),
+        ({"prompt": "hi", "seed": 2**64}, "seed"),
+        ({"prompt": "hi", "seed": 10**400}, "seed"),
+        (b'{"prompt": "\\ud800 hi"}', "prompt"),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
     ],
 )
 def test_bad_requests_get_400_naming_the_field(tiny, body, field):
@@ -180,6 +186,68 @@ def test_bad_requests_get_400_naming_the_field(tiny, body, field):
         assert field in message and "\n" not in message
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200  # the server keeps serving
+
+
+def test_any_64_bit_seed_has_a_key_of_its_own(tiny):
+    """Seeds past int32 (a random uint64) are accepted and reproduce; 2**32 + 5 is not 5."""
+    _, model, _ = tiny
+    with serving(model, max_batch=2) as (url, sched):
+
+        def ask(seed):
+            body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 1.0, "seed": seed}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        big = ask(2**64 - 1)
+        assert ask(2**64 - 1) == big
+        assert len({ask(2**32 + 5), ask(5), ask(2**63)}) > 1
+        assert sched.error is None
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(tiny, monkeypatch):
+    """A round that raises ends its requests with a 500 that holds no internal text; the next
+    request is answered as before. Rounds that keep failing stop the loop for good: waiting
+    and new requests get 503 at once and /health says so."""
+    import specjax.serving.scheduler as scheduler_module
+    import specjax.serving.server as server_module
+
+    _, model, _ = tiny
+    real = scheduler_module.advance
+    signals = []  # `specjax serve` signals itself to exit once the loop has stopped for good
+    monkeypatch.setattr(server_module.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    with serving(model, max_batch=1, exit_on_failure=True) as (url, sched):
+        want = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120).json()
+        calls = {"n": 0}
+
+        def broken(*args, **kwargs):
+            calls["n"] += 1
+            raise RuntimeError("internal detail 12345")
+
+        monkeypatch.setattr(scheduler_module, "advance", broken)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120)
+        assert r.status_code == 500 and "12345" not in r.text and "failed" in r.json()["error"]["message"]
+        monkeypatch.setattr(scheduler_module, "advance", real)
+        again = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120)
+        assert again.status_code == 200 and again.json()["choices"] == want["choices"]
+        assert sched.error is None and sched.engine.allocator.num_free == sched.engine.allocator.num_pages
+
+        monkeypatch.setattr(scheduler_module, "advance", broken)
+        codes = [
+            httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120).status_code
+            for _ in range(scheduler_module.MAX_FAILED_ROUNDS)
+        ]
+        assert codes[:-1] == [500] * (len(codes) - 1) and codes[-1] == 503
+        assert sched.error is not None
+        t = time.perf_counter()
+        late = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120)
+        assert late.status_code == 503 and time.perf_counter() - t < 5
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "12345" not in health.text
+        deadline = time.time() + 10
+        while not signals and time.time() < deadline:
+            time.sleep(0.1)
+        assert signals == [(os.getpid(), signal.SIGTERM)]
 
 
 def test_queue_full_gets_429_with_retry_after(tiny):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -37,13 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention import attention_mesh
-from specjax.batching import DecodeState, bucket
+from specjax.batching import DecodeState, bucket, seed_keys
 from specjax.cache import CacheFullError, PagedKVCache, block_table_array, pages_needed, token_pairs
 from specjax.decoding import decode_step, prefill
 from specjax.sampling import SamplingConfig
 from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
 from specjax.sharding import pinning
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_step
+
+logger = logging.getLogger("specjax.serving")
 
 
 def coarse(n: int) -> int:
@@ -54,6 +57,17 @@ def coarse(n: int) -> int:
 
 class QueueFull(RuntimeError):
     """The scheduler's queue holds `max_queue` requests already."""
+
+
+class Unavailable(RuntimeError):
+    """The decoding loop has stopped for good (`Scheduler.error`): nothing more will run."""
+
+
+# Consecutive failed rounds after which the loop stops for good (each failure ends the requests
+# of its round and starts afresh; failing again and again means the device itself is broken).
+MAX_FAILED_ROUNDS = 3
+STEP_FAILED = "the decoding step of this request failed; the server goes on (see its log)"
+LOOP_STOPPED = "the decoding loop stopped; the server is restarting (see its log)"
 
 
 class RequestError(ValueError):
@@ -253,8 +267,14 @@ class Scheduler:
                 f"needs more KV cache pages than the server has "
                 f"({self.engine.allocator.num_pages})"
             )
+        try:
+            seed_keys([seed])
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         handle = Handle(next(self._ids), prompt, int(max_new_tokens), sampling, int(seed), notify)
         with self._cv:
+            if self.error is not None:
+                raise Unavailable(LOOP_STOPPED)
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if len(self._queue) >= self.max_queue:
@@ -296,7 +316,7 @@ class Scheduler:
 
     # ---- the loop (the scheduler's thread) -----------------------------------------------
     def _run(self) -> None:
-        state = None
+        state, failures = None, 0
         try:
             state = self._empty_state()
             while True:
@@ -311,14 +331,23 @@ class Scheduler:
                                 h.cancel()
                     if self._stopping and not self._queue and not self.busy():
                         break
-                state = self._round(state)
-        except BaseException as e:  # a failed device call: every request learns why
-            self.error = e
+                try:
+                    state = self._round(state)
+                    failures = 0
+                except Exception:  # the round's requests fail; the loop goes on afresh
+                    failures += 1
+                    if failures >= MAX_FAILED_ROUNDS:
+                        raise
+                    logger.exception("a decoding round failed; its requests end with an error")
+                    state = self._recover()
+        except BaseException as e:  # the loop cannot go on: every request learns it at once
+            logger.exception("the decoding loop stopped")
             with self._cv:
+                self.error = e
                 waiting, self._queue = self._queue, []
             for h in waiting + [h for h in self.owner if h is not None]:
                 if h.finished is None:
-                    h._emit(Finished("error", f"{type(e).__name__}: {e}"))
+                    h._emit(Finished("error", LOOP_STOPPED))
             self.stats["errors"] += 1
             self.engine._reset_pools()
             return
@@ -358,6 +387,19 @@ class Scheduler:
                 self.engine._reset_pools()
             else:
                 self._give_back(state)
+
+    def _recover(self):
+        """After a round that raised: the requests in its slots end with an error, the pools
+        start afresh (a failed call may have consumed them), the queued requests stay queued."""
+        for h in self.owner:
+            if h is not None and h.finished is None:
+                self.stats["errors"] += 1
+                h._emit(Finished("error", STEP_FAILED))
+        n = len(self.owner)
+        self.owner, self.pages, self.emitted, self.filled = [None] * n, [[] for _ in range(n)], [0] * n, [None] * n
+        self.sampling = None
+        self.engine._reset_pools()
+        return self._empty_state()
 
     def _round(self, state):
         """One round: cancelled requests leave, queued ones are admitted, the batch decodes."""
@@ -603,7 +645,7 @@ class Scheduler:
         rows = np.zeros((g, width), np.int32)
         for r, q in enumerate(prompts):
             rows[r, : len(q)] = q
-        keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([self.owner[s].seed for s, _, _ in runs]))
+        keys = jnp.asarray(seed_keys([self.owner[s].seed for s, _, _ in runs]))
         cache = PagedKVCache(
             sub.k_pages,
             sub.v_pages,

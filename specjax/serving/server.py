@@ -13,15 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import os
+import signal
 import time
 import uuid
 
 from fastapi import FastAPI, Request  # the serve extra: pip install 'specjax[serve]'
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from specjax.batching import MAX_SEED
 from specjax.prompts import PromptError, encode_chat
 from specjax.sampling import SamplingConfig
-from specjax.serving.scheduler import Finished, QueueFull, RequestError
+from specjax.serving.scheduler import LOOP_STOPPED, Finished, QueueFull, RequestError, Unavailable
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -41,14 +45,25 @@ def _number(body, field, default, kind=float, lo=None, hi=None, lo_open=False):
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or (kind is int and not float(value).is_integer())
+        or (isinstance(value, float) and not math.isfinite(value))
+        or (kind is int and isinstance(value, float) and not value.is_integer())
     ):
-        raise FieldError(field, f"must be {'an integer' if kind is int else 'a number'}, got {json.dumps(value)}")
+        shown = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+        raise FieldError(field, f"must be {'an integer' if kind is int else 'a finite number'}, got {shown}")
     value = kind(value)
     if lo is not None and (value < lo or (lo_open and value == lo)):
         raise FieldError(field, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and value > hi:
         raise FieldError(field, f"must be <= {hi}, got {value}")
+    return value
+
+
+def _text(field: str, value: str) -> str:
+    """`value`, refused when it cannot be encoded (a lone surrogate such as "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FieldError(field, "is not valid Unicode text (it holds a lone surrogate)") from None
     return value
 
 
@@ -62,7 +77,7 @@ def parse_options(body: dict) -> dict:
     max_tokens = _number(body, "max_tokens", None, int, lo=1)
     if max_tokens is None:
         max_tokens = _number(body, "max_completion_tokens", DEFAULT_MAX_TOKENS, int, lo=1)
-    seed = _number(body, "seed", 0, int)
+    seed = _number(body, "seed", 0, int, lo=-(2**31), hi=MAX_SEED)
     n = _number(body, "n", 1, int, lo=1)
     if n != 1:
         raise FieldError("n", f"must be 1 (one answer per request), got {n}")
@@ -73,7 +88,7 @@ def parse_options(body: dict) -> dict:
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise FieldError("stop", "must be a string or a list of strings")
-    stop = [s for s in stop if s]
+    stop = [_text("stop", s) for s in stop if s]
     if len(stop) > 4:
         raise FieldError("stop", f"takes at most 4 sequences, got {len(stop)}")
     stream = body.get("stream", False)
@@ -137,15 +152,29 @@ def _finish_reason(finished: Finished, stream: TextStream) -> str:
     return "length"
 
 
-def create_app(scheduler, tokenizer, model_name: str):
-    """The FastAPI application serving `scheduler` (started and stopped with the app)."""
+def create_app(scheduler, tokenizer, model_name: str, exit_on_failure: bool = False):
+    """The FastAPI application serving `scheduler` (started and stopped with the app).
+
+    exit_on_failure (`specjax serve`): when the decoding loop stops for good, the process gets
+    SIGTERM a second later (every waiting request has had its 503 by then), so that the command
+    exits non-zero and a supervisor restarts it."""
+
+    async def watch():
+        while scheduler.error is None:
+            await asyncio.sleep(0.25)
+        await asyncio.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if scheduler._thread is None:
             scheduler.start()
+        watcher = asyncio.create_task(watch()) if exit_on_failure else None
         yield
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        if watcher is not None:
+            watcher.cancel()
+        # requests still running when the server stops are cancelled (uvicorn waited for them)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: scheduler.stop(drain=False, timeout=5))
 
     app = FastAPI(title="specjax", lifespan=lifespan)
     created = int(time.time())
@@ -185,7 +214,11 @@ def create_app(scheduler, tokenizer, model_name: str):
                         "messages", "must be a non-empty list of {role, content} objects with string content"
                     )
                 try:
-                    prompt = encode_chat(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+                    turns = [
+                        {"role": _text("messages", m["role"]), "content": _text("messages", m["content"])}
+                        for m in messages
+                    ]
+                    prompt = encode_chat(tokenizer, turns)
                 except PromptError as e:
                     raise FieldError("messages", str(e)) from None
             else:
@@ -194,6 +227,7 @@ def create_app(scheduler, tokenizer, model_name: str):
                     text = text[0]
                 if not isinstance(text, str) or not text:
                     raise FieldError("prompt", "must be a non-empty string")
+                _text("prompt", text)
                 prompt = list(tokenizer(text).input_ids)
         except FieldError as e:
             return error(400, str(e), e.field)
@@ -207,6 +241,8 @@ def create_app(scheduler, tokenizer, model_name: str):
                 seed=options["seed"],
                 notify=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
             )
+        except Unavailable as e:
+            return error(503, str(e))
         except QueueFull as e:
             return error(429, str(e), headers={"Retry-After": "1"})
         except RequestError as e:
@@ -235,7 +271,7 @@ def create_app(scheduler, tokenizer, model_name: str):
             finally:
                 handle.cancel()  # the client may have gone; a finished request ignores it
             if finished.reason == "error":
-                return error(500, finished.message)
+                return error(503 if finished.message == LOOP_STOPPED else 500, finished.message)
             usage = usage_of(handle, len(prompt))
             usage["completion_tokens"] = len(text.tokens)
             usage["total_tokens"] = len(prompt) + len(text.tokens)
@@ -322,7 +358,7 @@ def create_app(scheduler, tokenizer, model_name: str):
     @app.get("/health")
     async def health():
         if scheduler.error is not None:
-            return error(503, f"the decoding loop stopped: {scheduler.error}")
+            return error(503, LOOP_STOPPED)
         return {"status": "ok"}
 
     @app.get("/metrics")
