@@ -246,6 +246,17 @@ def _add_serve(sub):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="answer /v1 requests only with 'Authorization: Bearer KEY' (default: $SPECJAX_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413 (default 1 MiB)"
+    )
+    p.add_argument(
+        "--max-input-tokens", type=int, default=None, help="longer prompts get HTTP 400 (default: what fits)"
+    )
+    p.add_argument(
         "--fixed-speculation",
         action="store_true",
         help="verify the method's whole trees every step (default: as many nodes as "
@@ -266,6 +277,8 @@ def cmd_serve(args) -> int:
     for flag in ("max_batch", "max_queue", "sync_steps"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_request_bytes < 1 or (args.max_input_tokens is not None and args.max_input_tokens < 1):
+        raise UsageError("--max-request-bytes and --max-input-tokens must be >= 1")
     if args.prefill_chunk < 0:
         raise UsageError(f"--prefill-chunk must be >= 0 (0: whole prompts), got {args.prefill_chunk}")
     config = method_config_of(args)
@@ -297,7 +310,16 @@ def cmd_serve(args) -> int:
         prefill_chunk=args.prefill_chunk or None,
         budget=not args.fixed_speculation,
     )
-    app = create_app(scheduler, model.tokenizer, args.served_model_name or args.model, exit_on_failure=True)
+    app = create_app(
+        scheduler,
+        model.tokenizer,
+        args.served_model_name or args.model,
+        exit_on_failure=True,
+        aliases=(args.model,),
+        api_key=args.api_key or settings.api_key(),
+        max_request_bytes=args.max_request_bytes,
+        max_input_tokens=args.max_input_tokens,
+    )
     print(
         f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True
     )

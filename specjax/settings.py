@@ -103,7 +103,14 @@ EXAMPLES_SMOKE = Variable(
     "SPECJAX_EXAMPLES_SMOKE", "1", "unset", "examples/ run in their reduced mode (few tokens), as with --smoke"
 )
 
-VARIABLES = (ATTENTION, CPU_MATMUL, DRAFT_WEIGHTS, CACHE, COMPILE_CACHE, DEBUG, EXAMPLES_SMOKE)
+API_KEY = Variable(
+    "SPECJAX_API_KEY",
+    "a string",
+    "unset",
+    "`specjax serve` answers /v1 requests only with `Authorization: Bearer <key>` (as --api-key)",
+)
+
+VARIABLES = (ATTENTION, CPU_MATMUL, DRAFT_WEIGHTS, CACHE, COMPILE_CACHE, DEBUG, EXAMPLES_SMOKE, API_KEY)
 # Not specjax's own, but read here too: the compiler that builds the native CPU kernels.
 CXX = Variable(
     "CXX", "a C++ compiler command", "g++", "the compiler that builds the native CPU kernels (`specjax.cpu.native`)"
@@ -129,6 +136,11 @@ def compile_cache_setting() -> str:
 def debug() -> bool:
     """Whether $SPECJAX_DEBUG is set (to anything non-empty)."""
     return bool(DEBUG.raw())
+
+
+def api_key() -> str | None:
+    """$SPECJAX_API_KEY, or None when unset or empty."""
+    return API_KEY.raw() or None
 
 
 def examples_smoke() -> bool:

@@ -42,13 +42,14 @@ PROMPTS = [
 
 
 @contextlib.contextmanager
-def serving(model, method="vanilla", heads=None, exit_on_failure=False, **scheduler_options):
+def serving(model, method="vanilla", heads=None, exit_on_failure=False, app_options=None, **scheduler_options):
     """A server on a free local port in this process; yields (base url, scheduler)."""
     options = {} if heads is None else {"heads": str(heads)}
     proposer, pparams = make_proposer(method, model, **options)
     engine = Engine(model.params, model.config, num_pages=scheduler_options.pop("num_pages", 128), page_size=16)
     sched = Scheduler(engine, proposer, pparams, **scheduler_options)
-    with running_in_thread(create_app(sched, model.tokenizer, "tiny", exit_on_failure=exit_on_failure)) as url:
+    app = create_app(sched, model.tokenizer, "tiny", exit_on_failure=exit_on_failure, **(app_options or {}))
+    with running_in_thread(app) as url:
         yield url, sched
 
 
@@ -173,6 +174,10 @@ def test_sampled_answers_reproduce_for_a_seed_whatever_runs_beside(tiny):
         ({"prompt": "hi", "seed": 10**400}, "seed"),
         (b'{"prompt": "\\ud800 hi"}', "prompt"),
         (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ],
 )
 def test_bad_requests_get_400_naming_the_field(tiny, body, field):
@@ -248,6 +253,52 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(tiny, monkeypat
         while not signals and time.time() < deadline:
             time.sleep(0.1)
         assert signals == [(os.getpid(), signal.SIGTERM)]
+
+
+def test_limits_model_names_api_keys_and_fields_as_clients_expect(tiny):
+    """413 past --max-request-bytes, 400 past --max-input-tokens, 404 for a model not served,
+    401 without the API key; an omitted max_tokens answers what fits, top_k -1 is off,
+    neutral values of unsupported fields and text-part content are accepted."""
+    _, model, _ = tiny
+    options = dict(api_key="sekrit", max_request_bytes=2000, max_input_tokens=40, aliases=("tiny-alias",))
+    key = {"authorization": "Bearer sekrit"}
+    with serving(model, max_batch=2, num_pages=4, app_options=options) as (url, sched):
+
+        def post(path, body, headers=key):
+            return httpx.post(url + path, json=body, headers=headers, timeout=120)
+
+        assert post("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {}).status_code == 401
+        assert (
+            post("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"authorization": "Bearer no"}).status_code
+            == 401
+        )
+        assert httpx.get(url + "/v1/models").status_code == 401 and httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/v1/models", headers=key).json()["data"][0]["id"] == "tiny"
+        big = post("/v1/completions", {"prompt": "x" * 3000, "max_tokens": 2})
+        assert big.status_code == 413
+        long = post("/v1/completions", {"prompt": "hello " * 60, "max_tokens": 2})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+        other = post("/v1/completions", {"model": "gpt-4", "prompt": "hi", "max_tokens": 2})
+        assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+        for name in ("tiny", "tiny-alias"):
+            assert post("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        fits = post("/v1/completions", {"prompt": "The quick brown fox", "temperature": 0})
+        usage = fits.json()["usage"]
+        assert fits.status_code == 200 and 0 < usage["completion_tokens"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= 4 * 16  # the pool's room
+        neutral = {"top_k": -1, "logprobs": False, "presence_penalty": 0, "logit_bias": {}, "temperature": 0}
+        assert post("/v1/completions", {"prompt": "hi", "max_tokens": 3, **neutral}).status_code == 200
+        text = {"role": "user", "content": "Hello! How are you"}
+        parts = {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hello!"}, {"type": "text", "text": "How are you"}],
+        }
+        joined = {"role": "user", "content": "Hello!\nHow are you"}
+        answers = [
+            post("/v1/chat/completions", {"messages": [m], "max_tokens": 4, "temperature": 0}).json()["choices"]
+            for m in (parts, joined, text)
+        ]
+        assert answers[0] == answers[1]
 
 
 def test_queue_full_gets_429_with_retry_after(tiny):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import math
 import os
@@ -27,15 +28,33 @@ from specjax.prompts import PromptError, encode_chat
 from specjax.sampling import SamplingConfig
 from specjax.serving.scheduler import LOOP_STOPPED, Finished, QueueFull, RequestError, Unavailable
 
-DEFAULT_MAX_TOKENS = 128
+MAX_REQUEST_BYTES = 1 << 20  # a request body larger than this gets 413 (--max-request-bytes)
+# Fields of OpenAI's API this server does not implement: a request that sets one to anything
+# but its neutral value gets 400 naming it, rather than an answer that silently ignores it.
+UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+}
 
 
 class FieldError(ValueError):
-    """A request field that is missing, of the wrong type or out of range."""
+    """A request field that is missing, of the wrong type or out of range (HTTP `status`)."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"'{field}' {message}")
-        self.field = field
+    def __init__(self, field: str | None, message: str, status: int = 400):
+        super().__init__(f"'{field}' {message}" if field else message)
+        self.field, self.status = field, status
 
 
 def _number(body, field, default, kind=float, lo=None, hi=None, lo_open=False):
@@ -67,16 +86,37 @@ def _text(field: str, value: str) -> str:
     return value
 
 
+def _is_neutral(value, neutral: tuple) -> bool:
+    """Whether `value` is one of `neutral` (true/false never stand for 1/0)."""
+    return any(
+        value is None if v is None else (isinstance(value, bool) == isinstance(v, bool) and value == v) for v in neutral
+    )
+
+
+def _content(content) -> str:
+    """A message's content: a string, or a list of text parts (joined by newlines)."""
+    if isinstance(content, str):
+        return _text("messages", content)
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return _text("messages", "\n".join(p["text"] for p in content))
+    raise FieldError("messages", "content must be a string or a list of text parts ({type: text, text})")
+
+
 def parse_options(body: dict) -> dict:
     """Sampling and length options of a request body (FieldError naming a bad field)."""
     temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
     top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
-    top_k = _number(body, "top_k", 0, int, lo=0)
+    top_k = _number(body, "top_k", 0, int, lo=-1)
     if top_k == -1:  # vLLM's "off"
         top_k = 0
     max_tokens = _number(body, "max_tokens", None, int, lo=1)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_completion_tokens", DEFAULT_MAX_TOKENS, int, lo=1)
+    if max_tokens is None:  # None: as many as fit in the context (`create_app`)
+        max_tokens = _number(body, "max_completion_tokens", None, int, lo=1)
+    for field, neutral in UNSUPPORTED.items():
+        if field in body and not _is_neutral(body[field], neutral):
+            raise FieldError(field, "is not supported by this server")
     seed = _number(body, "seed", 0, int, lo=-(2**31), hi=MAX_SEED)
     n = _number(body, "n", 1, int, lo=1)
     if n != 1:
@@ -152,8 +192,22 @@ def _finish_reason(finished: Finished, stream: TextStream) -> str:
     return "length"
 
 
-def create_app(scheduler, tokenizer, model_name: str, exit_on_failure: bool = False):
+def create_app(
+    scheduler,
+    tokenizer,
+    model_name: str,
+    exit_on_failure: bool = False,
+    *,
+    aliases: tuple = (),
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_input_tokens: int | None = None,
+):
     """The FastAPI application serving `scheduler` (started and stopped with the app).
+
+    model_name and its `aliases` are the names a request's `model` may give (others: 404).
+    api_key: /v1 requests need `Authorization: Bearer <api_key>` (401). Bodies over
+    max_request_bytes get 413; prompts over max_input_tokens tokens get 400.
 
     exit_on_failure (`specjax serve`): when the decoding loop stops for good, the process gets
     SIGTERM a second later (every waiting request has had its 503 by then), so that the command
@@ -177,10 +231,13 @@ def create_app(scheduler, tokenizer, model_name: str, exit_on_failure: bool = Fa
         await asyncio.get_running_loop().run_in_executor(None, lambda: scheduler.stop(drain=False, timeout=5))
 
     app = FastAPI(title="specjax", lifespan=lifespan)
+    names = {model_name, *aliases}
     created = int(time.time())
 
     def error(status: int, message: str, param: str | None = None, headers=None):
-        kind = "invalid_request_error" if status == 400 else ("rate_limit_error" if status == 429 else "server_error")
+        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
         return JSONResponse(
             {"error": {"message": message, "type": kind, "param": param, "code": None}},
             status_code=status,
@@ -188,35 +245,70 @@ def create_app(scheduler, tokenizer, model_name: str, exit_on_failure: bool = Fa
         )
 
     async def read_body(request: Request) -> dict:
+        """The request's JSON object, read no further than `max_request_bytes` (413 past it)."""
+        too_large = FieldError(None, f"the request body is larger than {max_request_bytes} bytes", 413)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_request_bytes:
+            raise too_large
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > max_request_bytes:
+                raise too_large
         try:
-            body = json.loads(await request.body())
+            body = json.loads(bytes(data))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise FieldError("body", "is not valid JSON") from None
         if not isinstance(body, dict):
             raise FieldError("body", "must be a JSON object")
         return body
 
+    def unauthorized(request: Request):
+        """401 unless the request carries the server's API key (when it has one)."""
+        given = request.headers.get("authorization", "")
+        if api_key is None or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return None
+        return error(
+            401, "a valid API key is needed (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    def room_for(prompt: list[int], field: str) -> int:
+        """The most new tokens that fit after `prompt` in the context and the KV pool."""
+        engine = scheduler.engine
+        if max_input_tokens is not None and len(prompt) > max_input_tokens:
+            raise FieldError(field, f"has {len(prompt)} tokens, more than this server's {max_input_tokens}")
+        pool = engine.allocator.num_pages * engine.page_size - scheduler.scratch
+        room = min(engine.max_context, pool) - len(prompt)
+        if room < 1:
+            raise FieldError(
+                field,
+                f"has {len(prompt)} tokens, leaving no room for an answer in the model's context of "
+                f"{engine.max_context} tokens and the server's KV cache",
+            )
+        return room
+
     async def serve(request: Request, chat: bool):
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        field = "messages" if chat else "prompt"
         try:
             body = await read_body(request)
             options = parse_options(body)
+            if body.get("model") is not None and body["model"] not in names:
+                raise FieldError(
+                    "model", f"'{body['model']}' is not served here (this server serves {model_name})", 404
+                )
             if chat:
                 messages = body.get("messages")
                 if not (
                     isinstance(messages, list)
                     and messages
-                    and all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                        for m in messages
-                    )
+                    and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
                 ):
-                    raise FieldError(
-                        "messages", "must be a non-empty list of {role, content} objects with string content"
-                    )
+                    raise FieldError("messages", "must be a non-empty list of {role, content} objects")
                 try:
                     turns = [
-                        {"role": _text("messages", m["role"]), "content": _text("messages", m["content"])}
-                        for m in messages
+                        {"role": _text("messages", m["role"]), "content": _content(m.get("content"))} for m in messages
                     ]
                     prompt = encode_chat(tokenizer, turns)
                 except PromptError as e:
@@ -229,8 +321,11 @@ def create_app(scheduler, tokenizer, model_name: str, exit_on_failure: bool = Fa
                     raise FieldError("prompt", "must be a non-empty string")
                 _text("prompt", text)
                 prompt = list(tokenizer(text).input_ids)
+            room = room_for(prompt, field)
+            if options["max_tokens"] is None:
+                options["max_tokens"] = room
         except FieldError as e:
-            return error(400, str(e), e.field)
+            return error(e.status, str(e), e.field)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
@@ -246,7 +341,7 @@ def create_app(scheduler, tokenizer, model_name: str, exit_on_failure: bool = Fa
         except QueueFull as e:
             return error(429, str(e), headers={"Retry-After": "1"})
         except RequestError as e:
-            return error(400, str(e), "max_tokens" if "max_tokens" in str(e) else "prompt")
+            return error(400, str(e), "max_tokens" if "max_tokens" in str(e) else field)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         text = TextStream(tokenizer, options["stop"])
 
@@ -349,7 +444,9 @@ def create_app(scheduler, tokenizer, model_name: str, exit_on_failure: bool = Fa
         return await serve(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        if (denied := unauthorized(request)) is not None:
+            return denied
         return {
             "object": "list",
             "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specjax"}],
