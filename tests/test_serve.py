@@ -333,6 +333,25 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tiny):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
+def test_a_client_that_leaves_a_non_streaming_request_cancels_it(tiny, monkeypatch):
+    """The server notices a waiting client has gone within a poll and the request stops there,
+    long before its max_tokens (no EOS: it would run to the context's end)."""
+    import specjax.serving.server as server_module
+
+    _, model, _ = tiny
+    monkeypatch.setattr(server_module, "DISCONNECT_POLL", 0.05)
+    with serving(model, max_batch=1, sync_steps=1, eos_token_ids=()) as (url, sched):
+        body = {"prompt": "hi", "max_tokens": 400, "temperature": 1.0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.2)
+        deadline = time.time() + 60
+        while (sched.busy() or sched.stats["cancelled"] == 0) and time.time() < deadline:
+            time.sleep(0.05)
+        assert sched.busy() == 0 and sched.stats["cancelled"] == 1 and sched.stats["disconnected"] == 1
+        assert sched.stats["new_tokens"] < 400
+        assert sched.engine.allocator.num_free == sched.engine.allocator.num_pages
+
+
 def test_models_health_and_metrics(tiny):
     _, model, _ = tiny
     with serving(model, max_batch=2) as (url, _):

@@ -28,6 +28,7 @@ from specjax.prompts import PromptError, encode_chat
 from specjax.sampling import SamplingConfig
 from specjax.serving.scheduler import LOOP_STOPPED, Finished, QueueFull, RequestError, Unavailable
 
+DISCONNECT_POLL = 0.5  # seconds between looks at whether a waiting client is still there
 MAX_REQUEST_BYTES = 1 << 20  # a request body larger than this gets 413 (--max-request-bytes)
 # Fields of OpenAI's API this server does not implement: a request that sets one to anything
 # but its neutral value gets 400 naming it, rather than an answer that silently ignores it.
@@ -359,7 +360,13 @@ def create_app(
             try:
                 pieces, finished = [], None
                 while finished is None:
-                    piece, finished = await next_text()
+                    try:  # a client that has gone is noticed within DISCONNECT_POLL seconds
+                        piece, finished = await asyncio.wait_for(next_text(), DISCONNECT_POLL)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            scheduler.stats["disconnected"] = scheduler.stats.get("disconnected", 0) + 1
+                            return None  # the finally below cancels it: its slot frees next round
+                        continue
                     pieces.append(piece)
                     if text.stopped and finished is None:
                         finished = Finished("stop")  # the rest of the answer is not needed
