@@ -358,10 +358,14 @@ def test_models_health_and_metrics(tiny):
         assert httpx.get(url + "/health").json() == {"status": "ok"}
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["tiny"]
         httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0})
         text = httpx.get(url + "/metrics").text
         for name in (
             "specjax_requests_total 1",
             "specjax_queue_depth 0",
+            "specjax_kv_pages_total 128",
+            'specjax_http_responses_total{status="200"} 1',
+            'specjax_http_responses_total{status="400"} 1',
             "specjax_generated_tokens_total",
             "specjax_steps_total",
             "specjax_tokens_per_step",

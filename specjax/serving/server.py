@@ -11,6 +11,7 @@ queue 429 with Retry-After; a client that goes away frees its slot and pages.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
@@ -235,7 +236,10 @@ def create_app(
     names = {model_name, *aliases}
     created = int(time.time())
 
+    statuses: collections.Counter = collections.Counter()  # HTTP responses by status, for /metrics
+
     def error(status: int, message: str, param: str | None = None, headers=None):
+        statuses[status] += 1
         kind = {401: "authentication_error", 429: "rate_limit_error"}.get(
             status, "invalid_request_error" if status < 500 else "server_error"
         )
@@ -388,6 +392,7 @@ def create_app(
                 }
             else:
                 choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
+            statuses[200] += 1
             return JSONResponse(
                 {
                     "id": rid,
@@ -440,6 +445,7 @@ def create_app(
             finally:
                 handle.cancel()  # a client that went away frees its slot; no-op when finished
 
+        statuses[200] += 1
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
@@ -467,14 +473,16 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(scheduler), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(scheduler, statuses), media_type="text/plain; version=0.0.4")
 
     return app
 
 
-def prometheus_text(scheduler) -> str:
-    """The scheduler's counters and gauges in Prometheus' text format."""
+def prometheus_text(scheduler, statuses=None) -> str:
+    """The scheduler's counters and gauges, the KV pool's use and the HTTP responses by status
+    (`statuses`), in Prometheus' text format."""
     s = scheduler.stats
+    allocator = scheduler.engine.allocator
     rows = [
         ("specjax_requests_total", "counter", "requests accepted into the queue", s["requests"]),
         ("specjax_requests_finished_total", "counter", "requests answered in full", s["finished"]),
@@ -485,6 +493,13 @@ def prometheus_text(scheduler) -> str:
             s["cancelled"],
         ),
         ("specjax_queue_depth", "gauge", "requests waiting for a slot", scheduler.queue_depth()),
+        ("specjax_kv_pages_total", "gauge", "pages of the KV cache pool", allocator.num_pages),
+        (
+            "specjax_kv_pages_used",
+            "gauge",
+            "pages held by requests or cached prefixes",
+            allocator.num_pages - allocator.num_free,
+        ),
         ("specjax_running_requests", "gauge", "requests holding a slot", scheduler.busy()),
         ("specjax_generated_tokens_total", "counter", "tokens generated", s["new_tokens"]),
         ("specjax_steps_total", "counter", "decoding steps (target passes) of the batch", s["steps"]),
@@ -505,6 +520,10 @@ def prometheus_text(scheduler) -> str:
     out = []
     for name, kind, help_text, value in rows:
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    if statuses is not None:
+        name = "specjax_http_responses_total"
+        out += [f"# HELP {name} HTTP responses by status", f"# TYPE {name} counter"]
+        out += [f'{name}{{status="{code}"}} {n}' for code, n in sorted(statuses.items())]
     return "\n".join(out) + "\n"
 
 
