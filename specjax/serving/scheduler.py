@@ -226,6 +226,7 @@ class Scheduler:
             requests=0,
             finished=0,
             cancelled=0,
+            disconnected=0,  # requests whose waiting client went away (counted by the server)
             errors=0,
             new_tokens=0,
             steps=0,

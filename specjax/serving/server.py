@@ -368,7 +368,7 @@ def create_app(
                         piece, finished = await asyncio.wait_for(next_text(), DISCONNECT_POLL)
                     except asyncio.TimeoutError:
                         if await request.is_disconnected():
-                            scheduler.stats["disconnected"] = scheduler.stats.get("disconnected", 0) + 1
+                            scheduler.stats["disconnected"] += 1
                             return None  # the finally below cancels it: its slot frees next round
                         continue
                     pieces.append(piece)
