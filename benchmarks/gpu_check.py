@@ -86,8 +86,8 @@ TINY = ModelConfig(
     head_dim=16,
     max_position_embeddings=1024,
 )
-METHODS = ("vanilla", "draft", "pld", "medusa", "eagle", "eagle2", "eagle3", "redrafter", "lookahead")
-HEAD_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "redrafter")
+METHODS = ("vanilla", "draft", "pld", "medusa", "eagle1", "eagle2", "eagle3", "redrafter", "lookahead")
+HEAD_METHODS = ("medusa", "eagle1", "eagle2", "eagle3", "redrafter")
 ORACLE_ACCEPTED = (2, 3, 4, 6)
 
 
@@ -278,11 +278,11 @@ def tiny_target(key: int = 1, dtype=jnp.float32):
 def method_proposer(method: str, target: Model):
     """(proposer, params) of `method` for the tiny target: random heads through their real
     checkpoint loaders, a one-layer self-draft, a small Lookahead window."""
-    from specjax.methods import make_proposer
+    from specjax.methods import HEAD_KINDS, make_proposer
     from specjax.random_heads import random_head_checkpoint
 
     if method in HEAD_METHODS:
-        kind = {"eagle2": "eagle"}.get(method, method)
+        kind = HEAD_KINDS[method]
         heads = target.path / kind
         if not heads.exists():
             random_head_checkpoint(kind, target, heads)

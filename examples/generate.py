@@ -27,7 +27,7 @@ METHODS = {
     "draft": {"draft_layers": 8, "max_draft_len": 3},  # self-draft: the first 8 layers
     "lookahead": {"lookahead": (1, 5, 3)},  # (W, N, G): Jacobi window + n-gram pool
     "medusa": {},  # extra heads guess tokens 2, 3, ... ahead
-    "eagle": {},  # EAGLE-1: a draft layer over the target's features, static tree
+    "eagle1": {},  # EAGLE-1: a draft layer over the target's features, static tree
     "eagle2": {},  # EAGLE-2: the same heads, tree grown by draft confidence
     "eagle3": {},  # EAGLE-3: fuses three target layers
     "redrafter": {},  # ReDrafter: recurrent drafter + beam search

@@ -49,9 +49,10 @@ class MethodSpec:
 
     @classmethod
     def parse(cls, text: str) -> "MethodSpec":
-        from specjax.methods import METHODS
+        from specjax.method_configs import METHODS, canonical_method
 
         method, *pairs = text.strip().split(":")
+        method = canonical_method(method)
         if method not in METHODS:
             raise BenchError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
         options = []

@@ -12,7 +12,15 @@ import os
 import sys
 
 from specjax import settings
-from specjax.method_configs import METHODS, MethodError, add_option_flags, as_flags, given_options, method_config
+from specjax.method_configs import (
+    METHODS,
+    MethodError,
+    add_option_flags,
+    as_flags,
+    canonical_method,
+    given_options,
+    method_config,
+)
 from specjax.prompts import encode_prompt, read_prompt_file
 
 
@@ -43,7 +51,7 @@ def _sampling_of(args):
 def _add_generate(sub):
     p = sub.add_parser("generate", help="generate text with a model (vanilla or speculative)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
-    p.add_argument("--method", default="vanilla", help=f"decoding method ({', '.join(METHODS)})")
+    p.add_argument("--method", default="vanilla", help=f"decoding method ({', '.join(METHODS)}; eagle is eagle1)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSONL with 'turns' (first is the prompt) or 'prompt'")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
@@ -109,6 +117,7 @@ def _validate_generate(args):
 def _validate_method_args(args):
     """Checks of --method and --page-size (generate and serve); the method's own flags are
     checked by its config (`method_config_of`)."""
+    args.method = canonical_method(args.method)
     if args.method not in METHODS:
         raise UsageError(f"unknown method '{args.method}' (available: {', '.join(METHODS)})")
     if args.page_size < 1:
@@ -220,7 +229,7 @@ def cmd_convert(args) -> int:
 def _add_serve(sub):
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, any method)")
     p.add_argument("--model", default="smollm2-135m", help="embedded name, checkpoint dir or .gguf file")
-    p.add_argument("--method", default="vanilla", help=f"decoding method ({', '.join(METHODS)})")
+    p.add_argument("--method", default="vanilla", help=f"decoding method ({', '.join(METHODS)}; eagle is eagle1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")

@@ -312,8 +312,8 @@ class MedusaConfig(_TopKTree):
 
 @dataclass(frozen=True, kw_only=True)
 class EagleConfig(_TopKTree):
-    """EAGLE heads: `method` eagle (EAGLE-1, static `eagle_choices` tree), eagle2 (dynamic tree)
-    or eagle3 (the same over EAGLE-3 heads)."""
+    """EAGLE heads: `method` eagle1 (EAGLE-1, static `eagle_choices` tree), eagle2 (dynamic tree)
+    or eagle3 (the same over EAGLE-3 heads). `eagle`, TensorRT-LLM's name, is EAGLE-1."""
 
     title: ClassVar[str] = "EAGLE-1 static tree; EAGLE-2 and EAGLE-3 dynamic trees"
     method: str = "eagle2"
@@ -359,8 +359,9 @@ class EagleConfig(_TopKTree):
         return "eagle3" if self.method == "eagle3" else "eagle"
 
     def check(self):
-        if self.method not in ("eagle", "eagle2", "eagle3"):
-            raise MethodError(f"EagleConfig.method is eagle, eagle2 or eagle3, not {self.method!r}")
+        object.__setattr__(self, "method", ALIASES.get(self.method, self.method))
+        if self.method not in ("eagle1", "eagle2", "eagle3"):
+            raise MethodError(f"EagleConfig.method is eagle1, eagle2 or eagle3, not {self.method!r}")
         super().check()
 
 
@@ -404,13 +405,22 @@ CONFIGS = {
     "draft": DraftModelConfig,
     "pld": PromptLookupConfig,
     "medusa": MedusaConfig,
-    "eagle": EagleConfig,
+    "eagle1": EagleConfig,
     "eagle2": EagleConfig,
     "eagle3": EagleConfig,
     "redrafter": RedrafterConfig,
     "lookahead": LookaheadConfig,
 }
 METHODS = tuple(CONFIGS)
+# Other names a method answers to: `eagle` is EAGLE-1 in TensorRT-LLM and in earlier specjax.
+ALIASES = {"eagle": "eagle1"}
+
+
+def canonical_method(method: str) -> str:
+    """The method's own name (`eagle1` for its alias `eagle`); unknown names pass through."""
+    return ALIASES.get(method, method)
+
+
 HeadMethodConfig = MedusaConfig | EagleConfig | RedrafterConfig
 MethodConfig = VanillaConfig | DraftModelConfig | PromptLookupConfig | LookaheadConfig | HeadMethodConfig
 
@@ -427,7 +437,8 @@ def options_of(cls) -> tuple[str, ...]:
 
 def method_config(method: str, **options) -> MethodConfig:
     """The config of `method` with `options` (an option of another method is refused, naming
-    the methods it belongs to)."""
+    the methods it belongs to). An alias (`eagle`) gives its method's config."""
+    method = canonical_method(method)
     if method not in CONFIGS:
         raise MethodError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
     cls = CONFIGS[method]

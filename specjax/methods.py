@@ -11,6 +11,7 @@ import jax
 from specjax.draft_tree import check_confidence_floor
 from specjax.loading import Model, load_model
 from specjax.method_configs import (  # noqa: F401
+    ALIASES,
     CONFIGS,
     METHODS,
     DraftModelConfig,
@@ -58,7 +59,10 @@ def heads_decoding_defaults(heads, method: str) -> dict:
     except (OSError, ValueError):
         return {}  # loading the heads reports what is wrong
     defaults = meta.get("decoding_defaults", {})
-    return dict(defaults.get(method, {})) if isinstance(defaults, dict) else {}
+    if not isinstance(defaults, dict):
+        return {}
+    aliases = [a for a, m in ALIASES.items() if m == method]  # heads written before a rename
+    return dict(next((defaults[k] for k in (method, *aliases) if k in defaults), {}))
 
 
 def recommended(config, target: Model):
@@ -268,7 +272,7 @@ def _eagle(target: Model, options: EagleConfig):
         network["min_prob"] = float(options.min_draft_prob)
     eagle_choices = options.eagle_choices
     try:
-        if method == "eagle":
+        if method == "eagle1":
             if given:
                 raise MethodError(
                     "`eagle_total_tokens`/`eagle_depth`/`eagle_top_k` are "
@@ -280,7 +284,7 @@ def _eagle(target: Model, options: EagleConfig):
         network["rule"] = options.acceptance or _default_rule(options)
         if eagle_choices is not None:
             raise MethodError(
-                f"`eagle_choices` is an EAGLE-1 option (eagle); {method} builds "
+                f"`eagle_choices` is an EAGLE-1 option (eagle1); {method} builds "
                 "its tree from `eagle_total_tokens`/`eagle_depth`/`eagle_top_k`"
             )
         return EagleDynamicProposer(config, **network, **given), params

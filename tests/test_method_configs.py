@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import pytest
 
 from specjax.method_configs import (
     CONFIGS,
+    METHODS,
     EagleConfig,
     LookaheadConfig,
     MedusaConfig,
@@ -113,6 +115,19 @@ def test_acceptance_defaults_to_recursive_where_it_applies():
         EagleConfig(acceptance="greedy")
     with pytest.raises(MethodError, match="`acceptance` is match, recursive or traversal"):
         MedusaConfig(acceptance="typical")
+
+
+def test_eagle_is_an_alias_of_eagle1(tmp_path):
+    from specjax.methods import heads_decoding_defaults
+
+    assert method_config("eagle") == EagleConfig(method="eagle1") == EagleConfig(method="eagle")
+    assert "eagle" not in METHODS and "eagle1" in METHODS
+    with pytest.raises(MethodError, match="EagleConfig.method is eagle1, eagle2 or eagle3, not 'eagle4'"):
+        EagleConfig(method="eagle4")
+    # Heads written before the rename keep their EAGLE-1 recommendation under "eagle".
+    (tmp_path / "specjax.json").write_text(json.dumps({"decoding_defaults": {"eagle": {"eagle_draft_vocab": 7}}}))
+    want = {"eagle_draft_vocab": 7} if jax.default_backend() == "cpu" else {}  # CPU-measured
+    assert heads_decoding_defaults(tmp_path, "eagle1") == want
 
 
 def test_the_docs_options_table_is_the_generated_one():
