@@ -10,7 +10,8 @@ streamed chunks of any request (what a long prompt's prefill costs the running o
 tokens per second
 (all answers' tokens over the level's wall time) and mean accepted tokens per target pass
 (from the responses' `usage`). Every answer is checked against the first method's (greedy:
-the same text).
+the same text). `@sampled` and `@mixed` runs sample (one setting for all, or four settings
+side by side in one batch; a seed per request).
 
     python benchmarks/bench_serve.py --prompts ../shared/data/dev_prompts.jsonl \
         --methods vanilla,pld,eagle2 --concurrency 1,4,16 --out benchmarks/results/serve_intel
@@ -27,9 +28,28 @@ from pathlib import Path
 
 from common import machine, read_prompts
 
+# Sampling settings by request (@sampled: all the first; @mixed: request i takes MIXED[i % 4]).
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+MIXED = (
+    {"temperature": 0},
+    {"temperature": 0.7, "extra_body": {"top_k": 50}},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.8, "top_p": 0.95},
+)
 
-def run_level(url, prompts, concurrency, max_tokens):
-    """Stream every prompt through the server, `concurrency` at a time: per-request records."""
+
+def settings_of(suffixes, i: int) -> dict:
+    """The sampling fields of request i (greedy unless @sampled or @mixed), with a seed of its own."""
+    if "mixed" in suffixes:
+        return {**MIXED[i % len(MIXED)], "seed": i}
+    if "sampled" in suffixes:
+        return {**SAMPLED, "seed": i}
+    return {"temperature": 0}
+
+
+def run_level(url, prompts, concurrency, max_tokens, settings=lambda i: {"temperature": 0}):
+    """Stream every prompt through the server, `concurrency` at a time: per-request records.
+    settings(i): request i's sampling fields."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -48,8 +68,8 @@ def run_level(url, prompts, concurrency, max_tokens):
             for chunk in client.chat.completions.create(
                 model="m",
                 messages=[{"role": "user", "content": text}],
-                temperature=0,
                 max_tokens=max_tokens,
+                **settings(i),
                 stream=True,
             ):
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -103,7 +123,9 @@ def main():
         default="vanilla,pld,eagle2,eagle2@fixed",
         help="comma-separated METHOD[:key=value...] (make_proposer options); "
         "@fixed: verify whole trees (specjax serve --fixed-speculation); "
-        "@whole: prefill whole prompts (--prefill-chunk 0)",
+        "@whole: prefill whole prompts (--prefill-chunk 0); "
+        "@sampled: every request samples at one setting (T 0.8, top-p 0.95); "
+        "@mixed: requests cycle through greedy and three sampling settings",
     )
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=16, help="requests per level (at least the level's concurrency)")
@@ -144,9 +166,10 @@ def main():
         )
         with running_in_thread(create_app(sched, model.tokenizer, "m")) as url:
             for c in tqdm(levels, desc=text, leave=False):
-                run_level(url, prompts, c, args.max_tokens)  # compiles what the level meets
+                settings = lambda i: settings_of(suffixes, i)
+                run_level(url, prompts, c, args.max_tokens, settings)  # compiles what the level meets
                 engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
-                records, wall = run_level(url, prompts, c, args.max_tokens)
+                records, wall = run_level(url, prompts, c, args.max_tokens, settings)
                 texts = [r["text"] for r in records]
                 if reference is None:
                     reference = texts

@@ -100,7 +100,7 @@ def start(model, proposer, drafter_params, prompts, max_new_tokens, seed=0, page
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling"), donate_argnames=("carry",))
+@functools.partial(jax.jit, static_argnames=("config", "proposer"), donate_argnames=("carry",))
 def decode(params, config, proposer, drafter_params, sampling, carry: Carry, stop_ids, max_new_tokens) -> Carry:
     """Speculative decoding until every sequence stopped: one `lax.while_loop`, all on device."""
     b = carry.tokens.shape[0]
@@ -199,7 +199,7 @@ def main():
         model.params, model.config, proposer, drafter_params, sampling, carry, stop_ids, max_new
     ).compile()
     t0 = time.perf_counter()
-    carry = jax.block_until_ready(compiled(model.params, drafter_params, carry, stop_ids, max_new))
+    carry = jax.block_until_ready(compiled(model.params, drafter_params, sampling, carry, stop_ids, max_new))
     seconds = time.perf_counter() - t0
 
     tokens, lengths = np.asarray(carry.tokens), np.asarray(carry.lengths)

@@ -266,6 +266,9 @@ def _add_serve(sub):
         "--max-input-tokens", type=int, default=None, help="longer prompts get HTTP 400 (default: what fits)"
     )
     p.add_argument(
+        "--access-log", action="store_true", help="one line per request on stderr (client, path, status, ms, tokens)"
+    )
+    p.add_argument(
         "--fixed-speculation",
         action="store_true",
         help="verify the method's whole trees every step (default: as many nodes as "
@@ -328,7 +331,17 @@ def cmd_serve(args) -> int:
         api_key=args.api_key or settings.api_key(),
         max_request_bytes=args.max_request_bytes,
         max_input_tokens=args.max_input_tokens,
+        method=args.method,
+        access_log=args.access_log,
     )
+    if args.access_log:
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access = logging.getLogger("specjax.access")
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
     print(
         f"specjax serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True
     )

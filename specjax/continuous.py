@@ -41,7 +41,7 @@ def generate_continuous(
     *,
     slots: int = 32,
     refill: int | None = None,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
     seeds: Sequence[int] | int = 0,
     eos_token_ids: Sequence[int] | None = None,
     proposer=None,
@@ -50,7 +50,8 @@ def generate_continuous(
     """Answers of `prompts` through `engine`, `slots` sequences at a time, in finishing order.
 
     refill: finished slots that send the loop back to the host for new prompts (default
-    slots // 8, at least 1). Seeds as in `Engine.generate` (an int: seed + prompt index);
+    slots // 8, at least 1). Seeds and sampling (one setting, or one per prompt) as in
+    `Engine.generate` (an int seed: seed + prompt index);
     `proposer` (with its params) drafts as in `Engine.generate`. Prompts run in the order
     given: neighbours of similar lengths keep the tables narrow. The engine's pools are in use
     until the iterator is exhausted or closed.
@@ -63,6 +64,9 @@ def generate_continuous(
         raise GenerationError(f"slots must be >= 1, got {slots}")
     n = len(prompts)
     seeds = seed_list(seeds, n)
+    settings = [sampling] * n if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(settings) != n:
+        raise GenerationError(f"sampling: one SamplingConfig, or one per prompt ({n}), got {len(settings)} items")
     if max_new_tokens == 0:
         for i in range(n):
             yield FinishedSequence(i, [], False, 0)
@@ -87,7 +91,7 @@ def generate_continuous(
         offline=True,
     )
     try:
-        handles = [scheduler.submit(p, max_new_tokens, sampling=sampling, seed=s) for p, s in zip(prompts, seeds)]
+        handles = [scheduler.submit(p, max_new_tokens, sampling=c, seed=s) for p, c, s in zip(prompts, settings, seeds)]
     except ValueError as e:  # a prompt that can never fit the pool
         raise CacheFullError(f"out of pages: {e}") from None
     index = {h.id: i for i, h in enumerate(handles)}

@@ -90,7 +90,7 @@ def keep_decoding(done, stop_done=None):
     return more if stop_done is None else more & (jnp.sum(done) < stop_done)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "mesh"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
 def decode_loop(
     params,
     config: ModelConfig,

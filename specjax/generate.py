@@ -153,7 +153,7 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int = 128,
         *,
-        sampling: SamplingConfig = SamplingConfig(),
+        sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
         seeds: Sequence[int] | int = 0,
         eos_token_ids: Sequence[int] | None = None,
         warmup: bool = False,
@@ -161,6 +161,9 @@ class Engine:
         proposer_params=None,
     ) -> GenerationOutput:
         """Generate for a batch of token-id prompts of any lengths.
+
+        sampling: one setting for every prompt, or one per prompt (the batch runs together in
+        one program either way; only an all-greedy batch runs another).
 
         proposer / proposer_params: a drafting method and its parameters for speculative
         decoding (None: vanilla). warmup=True compiles every function the same call would use,
@@ -173,13 +176,18 @@ class Engine:
         eos = self.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         b = len(prompts)
         seeds = seed_list(seeds, b)
+        per_prompt = not isinstance(sampling, SamplingConfig)
+        if per_prompt:
+            sampling = list(sampling)
+            if len(sampling) != b or not all(isinstance(s, SamplingConfig) for s in sampling):
+                raise ValueError(f"sampling: one SamplingConfig, or one per prompt ({b}), got {len(sampling)} items")
         dp = 1 if self.mesh is None else self.mesh.shape["data"]
         if b % dp:  # the "data" axis splits the batch evenly: pad with copies of the last prompt
             pad = dp - b % dp
             out = self.generate(
                 prompts + [prompts[-1]] * pad,
                 max_new_tokens,
-                sampling=sampling,
+                sampling=sampling + [sampling[-1]] * pad if per_prompt else sampling,
                 seeds=seeds + [seeds[-1]] * pad,
                 eos_token_ids=eos_token_ids,
                 warmup=warmup,
@@ -194,6 +202,8 @@ class Engine:
                 finished_by_eos=out.finished_by_eos[:b],
                 accepted_hist=hist,
             )
+        if per_prompt:
+            sampling = SamplingConfig.rows(sampling)
         proposer_params = self._sharded(proposer, proposer_params)
         lens = [len(p) for p in prompts]
         scratch = scratch_slots(proposer)

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.attention import on_cpu_path
 
@@ -20,23 +21,82 @@ class SamplingError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Static sampling settings (a jit static argument); temperature 0 means greedy."""
+    """Sampling settings, one for every row (scalars) or one per row (arrays [B]); temperature 0
+    means greedy. A pytree: the settings are traced values, so a new temperature, top-k or top-p
+    runs the compiled program of the old one. `greedy` (static: it picks the program) is whether
+    every row is greedy; rows of temperature 0 in a program that samples draw their argmax.
+    `SamplingConfig.rows([...])` stacks per-request settings for one batch."""
 
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
+    temperature: float | jax.Array = 0.0
+    top_k: int | jax.Array = 0  # 0: off
+    top_p: float | jax.Array = 1.0
+    greedy: bool | None = None  # None: read off the temperatures (which must then be concrete)
 
     def __post_init__(self):
-        if not (self.temperature >= 0.0):
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        values = [self.temperature, self.top_k, self.top_p]
+        if any(isinstance(v, jax.core.Tracer) for v in values):
+            if self.greedy is None:
+                raise SamplingError("traced sampling settings need `greedy` given")
+            return
+        t, k, p = (np.asarray(v) for v in values)
+        if not np.all(t >= 0.0) or not np.all(np.isfinite(t)):
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not np.all((p > 0.0) & (p <= 1.0)):
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not np.all(k >= 0) or not np.all(k == np.floor(k)):
+            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k}")
+        # One type per setting, so that calls differing only in values share a program.
+        for name, value, kind in (("temperature", t, float), ("top_k", k, int), ("top_p", p, float)):
+            typed = kind(value) if value.ndim == 0 else value.astype(np.float32 if kind is float else np.int32)
+            object.__setattr__(self, name, typed)
+        if self.greedy is None:
+            object.__setattr__(self, "greedy", bool(np.all(t == 0.0)))
+        elif self.greedy and not np.all(t == 0.0):
+            raise SamplingError("greedy=True with a temperature above 0")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    @classmethod
+    def rows(cls, settings) -> SamplingConfig:
+        """One batch's settings from each row's own (a sequence of SamplingConfigs of scalars)."""
+        settings = list(settings)
+        if not settings:
+            raise SamplingError("no rows")
+        return cls(
+            np.asarray([s.temperature for s in settings], np.float32),
+            np.asarray([s.top_k for s in settings], np.int32),
+            np.asarray([s.top_p for s in settings], np.float32),
+            all(s.greedy for s in settings),
+        )
+
+    def __eq__(self, other):
+        if not isinstance(other, SamplingConfig):
+            return NotImplemented
+        leaves = lambda c: [np.asarray(v).tolist() for v in (c.temperature, c.top_k, c.top_p)]
+        return self.greedy == other.greedy and leaves(self) == leaves(other)
+
+    def __hash__(self):
+        return hash((self.greedy, *(str(np.asarray(v).tolist()) for v in (self.temperature, self.top_k, self.top_p))))
+
+
+def _unflatten_sampling(greedy, leaves):
+    config = object.__new__(SamplingConfig)  # no checks: the leaves may be tracers
+    for name, value in zip(("temperature", "top_k", "top_p"), leaves):
+        object.__setattr__(config, name, value)
+    object.__setattr__(config, "greedy", greedy)
+    return config
+
+
+jax.tree_util.register_pytree_node(
+    SamplingConfig, lambda c: ((c.temperature, c.top_k, c.top_p), c.greedy), _unflatten_sampling
+)
+
+
+def per_row(value, like):
+    """A setting (a scalar, or one value per row [B]) shaped to broadcast against `like`
+    [B, ..., V]: [B, 1, ..., 1]."""
+    value = jnp.asarray(value)
+    if value.ndim == 0:
+        return value
+    return value.reshape(value.shape + (1,) * (like.ndim - 1))
 
 
 def _order_key(x):
@@ -166,17 +226,23 @@ def kth_largest(x, k: int):
     return jax.lax.optimization_barrier(jax.lax.top_k(x, k)[0])[..., -1:]
 
 
-def top_p_mask(logits, top_p: float):
+def _order_keys(x):
+    """int32 keys ordered like the float32 values, -0 equal to +0."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def top_p_mask(logits, top_p):
     """bool [..., V]: the tokens top-p keeps, by HF's rule, without sorting the vocabulary.
 
     A value v is kept when the probability of the tokens strictly more likely than v is below
-    top_p (so ties are kept together and the most likely token always is). That mass falls as v
+    top_p (so ties are kept together and the most likely token always is); top_p may be one
+    value per row, shaped to broadcast against logits' leading axes. That mass falls as v
     rises, so the smallest kept value is found by bisection over the floats' ordered integer
     keys: 32 passes over the row, far cheaper than XLA:CPU's sort of a whole vocabulary.
     """
     probs = jax.nn.softmax(logits, axis=-1)
-    bits = jax.lax.bitcast_convert_type(jnp.where(logits == 0, 0.0, logits), jnp.int32)  # -0 = +0
-    keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 keys ordered like the floats
+    keys = _order_keys(logits)
     lo = jnp.full(logits.shape[:-1] + (1,), jnp.iinfo(jnp.int32).min, jnp.int32)  # mass >= p
     hi = jnp.max(keys, axis=-1, keepdims=True)  # nothing above the maximum: mass 0 < p
 
@@ -190,14 +256,50 @@ def top_p_mask(logits, top_p: float):
     return keys >= hi
 
 
+def top_k_mask(logits, k):
+    """bool [..., V]: the tokens at or above the k-th largest value (ties kept together), for k
+    per row (broadcast against logits' leading axes; k <= 0 or >= V: every token). A bisection
+    over the floats' ordered integer keys, as in top_p_mask, so k need not be static."""
+    keys = _order_keys(logits)
+    k = jnp.asarray(k, jnp.int32)
+    lo = jnp.full(logits.shape[:-1] + (1,), jnp.iinfo(jnp.int32).min, jnp.int32)  # count >= k
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)  # ceil((lo + hi) / 2) without overflow
+        enough = jnp.sum(keys >= mid, axis=-1, keepdims=True) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return (keys >= lo) | (k <= 0) | (k >= logits.shape[-1])
+
+
+def _when(setting, test, f, x):
+    """f(x) where test(setting) holds for some row, else x: decided while tracing when the
+    setting is known then (given as Python or NumPy numbers), by a conditional when traced."""
+    if not isinstance(setting, jax.core.Tracer):
+        return f(x) if np.any(test(np.asarray(setting))) else x
+    return jax.lax.cond(jnp.any(test(setting)), f, lambda x: x, x)
+
+
 def processed_logprobs(logits, sampling: SamplingConfig):
-    """float32 log-probabilities [..., V] after temperature, top-k and top-p (masked to -inf)."""
-    logits = logits.astype(jnp.float32) / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        logits = jnp.where(logits < kth_largest(logits, sampling.top_k), -jnp.inf, logits)
-    if sampling.top_p < 1.0:
-        logits = jnp.where(top_p_mask(logits, sampling.top_p), logits, -jnp.inf)
-    return jax.nn.log_softmax(logits, axis=-1)
+    """float32 log-probabilities [..., V] after temperature, top-k and top-p (masked to -inf),
+    each row [B, ...] by its own settings; a row of temperature 0 gets all its mass on its argmax
+    (the first on ties), so that drawing from it is greedy decoding. Each part runs only when
+    some row needs it."""
+    x = logits.astype(jnp.float32)
+    v = x.shape[-1]
+    t, k, p = (per_row(s, x) for s in (sampling.temperature, sampling.top_k, sampling.top_p))
+    x = x / jnp.where(t == 0.0, 1.0, t)
+    x = _when(sampling.top_k, lambda k: (k > 0) & (k < v), lambda x: jnp.where(top_k_mask(x, k), x, -jnp.inf), x)
+    x = _when(sampling.top_p, lambda p: p < 1.0, lambda x: jnp.where(top_p_mask(x, p) | (p >= 1.0), x, -jnp.inf), x)
+
+    def argmax_rows(logp):
+        iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+        return jnp.where(t == 0.0, jnp.where(argmax_last(logits)[..., None] == iota, 0.0, -jnp.inf), logp)
+
+    return _when(sampling.temperature, lambda t: t == 0.0, argmax_rows, jax.nn.log_softmax(x, axis=-1))
 
 
 def sample_tokens(logits, keys, sampling: SamplingConfig):

@@ -275,7 +275,7 @@ def spec_step(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "sampling", "mesh"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "mesh"), donate_argnames=("state",))
 def spec_loop(
     params,
     config: ModelConfig,

@@ -1,4 +1,9 @@
-"""Verification: one target forward over every sequence's draft tree."""
+"""Verification: one target forward over every sequence's draft tree.
+
+Three entry points, one pass: `verify` runs the whole tree (the reference the others are tested
+against); `verify_pruned` runs it only as wide as the valid nodes need and writes their K/V (the
+step piece a custom loop calls); `verify_pruned_kv` is the same pass returning the K/V unwritten,
+so that `commit` writes only the accepted path's (what `spec_step` calls)."""
 
 from __future__ import annotations
 

@@ -663,3 +663,64 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
         jax.clear_caches()
     broken = np.asarray(out.token_ids)
     assert chi2_pvalue(broken[:, 0], broken[:, 1], joint) < P_BROKEN
+
+
+MIXED = (SamplingConfig(), SamplingConfig(temperature=1.0, top_k=6), SamplingConfig(temperature=0.8, top_p=0.95))
+
+
+def test_rows_of_different_settings_share_a_batch_losslessly(models, tables, monkeypatch):
+    """One batch, one compiled program, three settings in turn by row (greedy, top-k, top-p),
+    through EAGLE-2 with the `recursive` rule and the lookup graft (the default pairing): each
+    sampled row group follows its own target law, each greedy row is the target's argmax. The
+    control (the first draft emitted unchecked) fails a group."""
+    from specjax.proposers.lookup_graft import LookupGraftProposer
+
+    target, _ = models
+    p_table = tables[0]
+    base, params = _tree_proposer("eagle2-recursive", target)
+    proposer = LookupGraftProposer(base, PromptLookupProposer(2, 2, 1))
+    settings = [MIXED[i % len(MIXED)] for i in range(E2E_BATCH)]
+
+    def run(calls):
+        eng = Engine(target, CFG, num_pages=2 * E2E_BATCH + 8, page_size=16)
+        tokens = []
+        for call in range(calls):
+            out = eng.generate(
+                [PROMPT] * E2E_BATCH,
+                2,
+                sampling=settings,
+                seeds=list(range(call * E2E_BATCH, (call + 1) * E2E_BATCH)),
+                eos_token_ids=(),
+                proposer=proposer,
+                proposer_params=params,
+            )
+            tokens += out.token_ids
+        return np.asarray(tokens)
+
+    from specjax.spec_decode import spec_loop
+
+    before = spec_loop._cache_size()
+    tokens = run(E2E_CALLS)
+    assert spec_loop._cache_size() == before + 1  # every call, every setting: one program
+    group = np.tile(np.arange(E2E_BATCH) % len(MIXED), E2E_CALLS)  # each call's rows cycle alike
+    greedy = Engine(target, CFG, num_pages=8, page_size=16).generate([PROMPT], 2, eos_token_ids=())
+    assert (tokens[group == 0] == greedy.token_ids[0]).all()
+    for g in (1, 2):
+        rows = tokens[group == g]
+        assert chi2_pvalue(rows[:, 0], rows[:, 1], exact_first_two(p_table, MIXED[g])) > P_OK, MIXED[g]
+
+    import specjax.spec_decode as spec_decode_mod
+
+    monkeypatch.setattr(spec_decode_mod, "accept", accept_first_draft_unchecked)
+    jax.clear_caches()
+    try:
+        broken = run(4)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    group = np.tile(np.arange(E2E_BATCH) % len(MIXED), 4)
+    pvalues = [
+        chi2_pvalue(broken[group == g][:, 0], broken[group == g][:, 1], exact_first_two(p_table, MIXED[g]))
+        for g in (1, 2)
+    ]
+    assert min(pvalues) < P_BROKEN, pvalues

@@ -4,6 +4,7 @@ queue, clients that leave, a bounded load test and SIGTERM."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -151,6 +152,55 @@ def test_sampled_answers_reproduce_for_a_seed_whatever_runs_beside(tiny):
         assert len({ask(s) for s in range(4)}) > 1  # the seed matters
 
 
+def test_every_sampling_setting_shares_one_batch_and_one_program(tiny, monkeypatch):
+    """Greedy and sampled requests of any temperature, top-k and top-p decode side by side in one
+    batch: each answer is what it is alone, and new settings after the first sampled request
+    compile nothing (the step program takes them as values). (Counts, not timings: a compile
+    takes seconds, a warm request of the tiny model milliseconds.)"""
+    from specjax.serving.scheduler import advance
+
+    d, model, _ = tiny
+    with serving(model, max_batch=4) as (url, sched):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        rounds = []
+        sampling_of = sched._sampling
+        monkeypatch.setattr(
+            sched, "_sampling", lambda: rounds.append([h and h.sampling for h in sched.owner]) or sampling_of()
+        )
+
+        def ask(prompt, temperature, seed=0, **options):
+            answer = client.completions.create(
+                model="tiny", prompt=prompt, temperature=temperature, max_tokens=16, seed=seed, **options
+            )
+            return answer.choices[0].text
+
+        greedy = ask(PROMPTS[0], 0)
+        sampled = ask(PROMPTS[3], 0.9, seed=7, top_p=0.95)
+        programs = advance._cache_size()
+        for t, options in ((0.731, {}), (1.37, {"extra_body": {"top_k": 7}}), (0.5, {"top_p": 0.8})):
+            assert ask(PROMPTS[3], t, seed=3, **options) != ""
+        assert advance._cache_size() == programs  # three new settings, nothing compiled
+        jobs = [
+            (PROMPTS[0], 0, 0, {}),
+            (PROMPTS[3], 0.9, 7, {"top_p": 0.95}),
+            (PROMPTS[1], 0.731, 1, {}),
+            (PROMPTS[2], 1.37, 2, {"extra_body": {"top_k": 7}}),
+        ]
+        got = [None] * len(jobs)
+        threads = [
+            threading.Thread(target=lambda i, j: got.__setitem__(i, ask(j[0], j[1], j[2], **j[3])), args=(i, j))
+            for i, j in enumerate(jobs)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got[0] == greedy and got[1] == sampled
+        mixed = [r for r in rounds if {s.greedy for s in r if s is not None} == {True, False}]
+        assert mixed, "no round decoded greedy and sampled rows together"
+        assert max(len({(s.temperature, s.top_k, s.top_p) for s in r if s is not None}) for r in rounds) >= 3
+
+
 @pytest.mark.parametrize(
     "body,field",
     [
@@ -175,6 +225,9 @@ def test_sampled_answers_reproduce_for_a_seed_whatever_runs_beside(tiny):
         (b'{"prompt": "\\ud800 hi"}', "prompt"),
         (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
         ({"prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 6}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
         ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
@@ -373,6 +426,97 @@ def test_models_health_and_metrics(tiny):
             assert name in text, text
 
 
+def test_usage_chunk_latency_and_acceptance_histograms_and_access_log(tiny, caplog):
+    """`stream_options.include_usage` as OpenAI sends it (usage null on every chunk, then a last
+    chunk with no choices); /metrics' histograms count each finished request, the acceptance one
+    each of its target passes; the access log has a line per request."""
+    import logging
+
+    _, model, heads = tiny
+    caplog.set_level(logging.INFO, logger="specjax.access")
+    options = {"method": "eagle2", "access_log": True}
+    with serving(model, "eagle2", heads, max_batch=2, budget=False, app_options=options) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        chunks = list(
+            client.completions.create(
+                model="tiny",
+                prompt=PROMPTS[0],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+        assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "length"
+        answer = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+        text = httpx.get(url + "/metrics").text
+    steps = chunks[-1].usage.model_extra["steps"] + answer.usage.model_extra["steps"]
+    for line in (
+        "specjax_time_to_first_token_seconds_count 2",
+        "specjax_inter_token_latency_seconds_count 2",
+        'specjax_request_latency_seconds_bucket{le="+Inf"} 2',
+        f'specjax_accepted_tokens_per_step_count{{method="eagle2"}} {steps}',
+        f'specjax_accepted_tokens_per_step_bucket{{method="eagle2",le="+Inf"}} {steps}',
+    ):
+        assert line in text, (line, text)
+    logged = [r.getMessage() for r in caplog.records if r.name == "specjax.access"]
+    assert sum('"POST /v1/completions" 200' in line and "tokens" in line for line in logged) == 2, logged
+    assert any('"POST /v1/completions" 400' in line for line in logged), logged
+
+
+def test_logprobs_are_the_models_own_whatever_drafts(tiny, tiny_llama, capsys):
+    """`logprobs` (completions: N alternatives; chat: `logprobs` + `top_logprobs`): one entry per
+    answer token, equal to transformers' log-softmax over the prompt and answer, the same with
+    EAGLE-2 as with vanilla decoding, in stream chunks as in the whole answer; greedy tokens are
+    their own first alternative."""
+    import numpy as np
+    import torch
+
+    d, model, heads = tiny
+    got = {}
+    for method in ("vanilla", "eagle2"):
+        with serving(model, method, heads if method == "eagle2" else None, max_batch=2) as (url, _):
+            body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "logprobs": 3}
+            whole = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                parts = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            streamed = [
+                lp for p in parts for c in p["choices"] if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]
+            ]
+            np.testing.assert_allclose(streamed, whole["logprobs"]["token_logprobs"], atol=1e-5)  # rounds differ
+            chat = httpx.post(
+                url + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                },
+                timeout=120,
+            ).json()
+            got[method] = whole
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["token"] == c["top_logprobs"][0]["token"] and isinstance(c["bytes"], list) for c in content)
+    vanilla, eagle = got["vanilla"]["logprobs"], got["eagle2"]["logprobs"]
+    assert got["vanilla"]["text"] == got["eagle2"]["text"] and vanilla["tokens"] == eagle["tokens"]
+    np.testing.assert_allclose(vanilla["token_logprobs"], eagle["token_logprobs"], atol=1e-5)
+    assert len(vanilla["tokens"]) == 8 and all(len(alt) <= 3 for alt in vanilla["top_logprobs"])
+    for token, lp, alt in zip(vanilla["tokens"], vanilla["token_logprobs"], vanilla["top_logprobs"]):
+        assert max(alt.values()) == pytest.approx(lp, abs=1e-6) and token in alt  # greedy: the top one
+    prompt = model.tokenizer(PROMPTS[2]).input_ids
+    answer = _generate_alone(capsys, d, "vanilla", None, PROMPTS[2], 8, raw=True)["token_ids"]
+    with torch.no_grad():
+        logits = tiny_llama[1](torch.tensor([prompt + answer])).logits[0].double().log_softmax(-1).numpy()
+    want = [logits[len(prompt) - 1 + i, t] for i, t in enumerate(answer)]
+    np.testing.assert_allclose(vanilla["token_logprobs"], want, atol=1e-4)
+    assert vanilla["text_offset"][0] == 0 and vanilla["text_offset"] == sorted(vanilla["text_offset"])
+
+
 def test_stop_strings_end_the_answer_before_them(tiny):
     _, model, _ = tiny
     with serving(model, max_batch=2) as (url, _):
@@ -505,3 +649,143 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_fuzz_a_thousand_requests(tiny, capsys, monkeypatch):
+    """~1000 requests from 8 client threads, valid ones with random settings among invalid ones
+    (wrong types, NaN, huge and negative numbers, odd Unicode, truncated JSON, oversized bodies,
+    clients leaving mid-stream and mid-wait). No 5xx and no hang; each invalid kind gets its own
+    status; every greedy answer equals `specjax generate`'s; afterwards no slot or page is held
+    and the process's memory grew by less than 256 MB after the first hundred requests."""
+    import random
+
+    import specjax.serving.server as server_module
+
+    d, model, heads = tiny
+    monkeypatch.setattr(server_module, "DISCONNECT_POLL", 0.05)
+    n_tokens = 5
+    greedy = {p: _generate_alone(capsys, d, "eagle2", heads, p, n_tokens, raw=True)["text"] for p in PROMPTS[:4]}
+    rng = random.Random(0)
+    odd = ["é ü ñ", "\u200b\u200d", "שלום", "🌊🌊", "a\u0301", "\ufeffBOM", "\x00nul"]
+
+    def valid():
+        prompt = rng.choice(PROMPTS[:4])
+        if rng.random() < 0.4:
+            return "greedy", {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0}, prompt
+        body = {
+            "prompt": prompt + rng.choice(["", " " + rng.choice(odd)]),
+            "max_tokens": rng.randint(1, 8),
+            "temperature": rng.uniform(0.05, 2.0),
+            "top_p": rng.uniform(0.05, 1.0),
+            "top_k": rng.choice([-1, 0, 1, 5, 40, 10**6]),
+            "seed": rng.choice([0, 1, 2**31, 2**63, 2**64 - 1, -5]),
+        }
+        if rng.random() < 0.3:
+            body = {"messages": [{"role": "user", "content": body.pop("prompt")}], **body}
+        return "sampled", body, None
+
+    invalid = [
+        ({"prompt": "hi", "temperature": "hot"}, 400),
+        ({"prompt": "hi", "max_tokens": "5"}, 400),
+        ({"prompt": "hi", "top_k": 1.5}, 400),
+        ({"prompt": "hi", "max_tokens": 10**12}, 400),
+        ({"prompt": "hi", "max_tokens": -3}, 400),
+        ({"prompt": "hi", "temperature": -1e308}, 400),
+        ({"prompt": "hi", "seed": 2**64}, 400),
+        ({"prompt": "hi", "seed": -(2**40)}, 400),
+        ({"prompt": 12}, 400),
+        ({"prompt": ["a", "b"]}, 400),
+        ({"messages": [{"role": "user"}]}, 400),
+        ({"messages": [{"content": "hi"}]}, 400),
+        ({"prompt": "hi", "model": "other"}, 404),
+        ({"prompt": "hi", "logit_bias": {"1": 5}}, 400),
+        (b'{"prompt": "hi", "temperature": NaN}', 400),
+        (b'{"prompt": "hi", "top_p": -Infinity}', 400),
+        (b'{"prompt": "\\ud800"}', 400),
+        (b'{"prompt": "hi", "max_tok', 400),
+        (b"\xff\xfe not utf-8", 400),
+        (b"[]", 400),
+        (b"x" * 5000, 413),
+    ]
+    kinds = ["valid"] * 55 + ["invalid"] * 35 + ["leave_stream"] * 5 + ["leave_wait"] * 5
+    jobs = [rng.choice(kinds) for _ in range(1000)]
+    failures, statuses, answers = [], collections.Counter(), []
+    lock = threading.Lock()
+    app_options = {"max_request_bytes": 4096}
+    with serving(model, "eagle2", heads, max_batch=4, app_options=app_options) as (url, sched):
+        client = httpx.Client(base_url=url, timeout=60)
+
+        def one(kind):
+            if kind == "valid":
+                what, body, prompt = valid()
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                if rng.random() < 0.3:
+                    with client.stream("POST", path, json={**body, "stream": True}) as r:
+                        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+                        text = "".join(
+                            json.loads(line[6:])["choices"][0].get("text") or "" for line in lines if "choices" in line
+                        )
+                        return r.status_code, 200, (prompt, text) if what == "greedy" else None
+                r = client.post(path, json=body)
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 and "prompt" in body else None
+                return r.status_code, 200, (prompt, text) if what == "greedy" else None
+            if kind == "invalid":
+                body, want = rng.choice(invalid)
+                r = client.post("/v1/completions", **({"content": body} if isinstance(body, bytes) else {"json": body}))
+                return r.status_code, want, None
+            if kind == "leave_stream":
+                body = {"prompt": "hi", "max_tokens": 300, "stream": True, "temperature": 1.0}
+                with client.stream("POST", "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            break
+                return r.status_code, 200, None
+            try:  # leave_wait: a client that gives up before the answer
+                client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 300}, timeout=0.05)
+            except httpx.TimeoutException:
+                return 200, 200, None
+            return 200, 200, None
+
+        def worker(mine):
+            for kind in mine:
+                try:
+                    got, want, answer = one(kind)
+                except Exception as e:  # a hang ends in the client's timeout
+                    got, want, answer = repr(e), "an answer", None
+                with lock:
+                    statuses[got] += 1
+                    if got != want:
+                        failures.append((kind, got, want))
+                    if answer is not None:
+                        answers.append(answer)
+
+        threads = [threading.Thread(target=worker, args=(jobs[:100][i::8],)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        before = _rss_mb()
+        threads = [threading.Thread(target=worker, args=(jobs[100:][i::8],)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert not any(t.is_alive() for t in threads), "a client hung"
+        deadline = time.time() + 60
+        allocator = sched.engine.allocator
+        while (sched.busy() or allocator.num_free != allocator.num_pages) and time.time() < deadline:
+            time.sleep(0.05)
+        assert sched.busy() == 0 and sched.queue_depth() == 0 and allocator.num_free == allocator.num_pages
+        grown = _rss_mb() - before
+        after = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": n_tokens, "temperature": 0})
+    assert not failures, (failures[:10], statuses)
+    assert not [s for s in statuses if isinstance(s, int) and s >= 500], statuses
+    assert statuses[400] > 200 and statuses[413] and statuses[404] and statuses[200] > 500, statuses
+    assert answers and all(text == greedy[prompt] for prompt, text in answers if text is not None)
+    assert after.json()["choices"][0]["text"] == greedy[PROMPTS[0]]
+    assert grown < 256, f"the process grew by {grown:.0f} MB"

@@ -43,7 +43,7 @@ from specjax.cpu.draft_weights import draft_weights
 from specjax.cpu.matmul import take_rows
 from specjax.draft_tree import DraftTree
 from specjax.model import head_logits
-from specjax.sampling import kth_largest
+from specjax.sampling import kth_largest, per_row
 from specjax.spec_decode import ProposerBase
 
 LOG_0 = -50000.0  # the reference's log(0): finite, so sums and top-k stay well defined
@@ -158,8 +158,9 @@ def beam_search(
         beams, state, score, last = carry
         state = rnn_step(params, state, take_rows(embed, last).astype(jnp.float32), rnn)
         logits = warp_logits(drafter_logits(params, ctx, state), warp_top_k)  # [B, W, V]
-        if temperature is not None:
-            logits = logits / temperature
+        if temperature is not None:  # one per row [B] or one for all; 0 (a greedy row): as 1
+            t = per_row(temperature, logits)
+            logits = logits / jnp.where(t == 0, 1.0, t)
         total = (jax.nn.log_softmax(logits, axis=-1) + score[:, :, None]).reshape(b, w * v)
         rank = total
         if keys is not None:

@@ -45,6 +45,7 @@ from specjax.sampling import SamplingConfig
 from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
 from specjax.sharding import pinning
 from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_step
+from specjax.token_logprobs import token_logprobs
 
 logger = logging.getLogger("specjax.serving")
 
@@ -103,6 +104,11 @@ class Handle:
     finished: Finished | None = None
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    finished_at: float | None = None
+    accepted_hist: list[int] | None = None  # its target passes by drafted tokens accepted
+    logprobs: bool = False  # report each token's log-probability (`token_logprobs`)
+    # per token of `tokens`, when `logprobs`: (log p, [(id, log p) of the most likely ones])
+    token_logprobs: list = dataclasses.field(default_factory=list)
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -111,7 +117,7 @@ class Handle:
 
     def _emit(self, event) -> None:
         if isinstance(event, Finished):
-            self.finished = event
+            self.finished, self.finished_at = event, time.perf_counter()
         elif self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.events.put(event)
@@ -130,9 +136,7 @@ class Handle:
         return self.tokens
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "proposer", "sampling", "max_steps", "mesh"), donate_argnames=("state",)
-)
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "max_steps", "mesh"), donate_argnames=("state",))
 def advance(
     params, config, proposer, proposer_params, sampling, state, limits, eos_ids, refill, max_steps: int, mesh=None
 ):
@@ -221,7 +225,6 @@ class Scheduler:
         self.pages: list[list[int]] = [[]]
         self.emitted = [0]
         self.filled: list[int | None] = [None]  # prompt positions prefilled, while prefilling
-        self.sampling: SamplingConfig | None = None  # the running batch's settings
         self.stats = dict(
             requests=0,
             finished=0,
@@ -249,8 +252,11 @@ class Scheduler:
         sampling: SamplingConfig = SamplingConfig(),
         seed: int = 0,
         notify: Callable | None = None,
+        logprobs: bool = False,
     ) -> Handle:
-        """Queue a request (raises QueueFull, or RequestError for one that can never run)."""
+        """Queue a request (raises QueueFull, or RequestError for one that can never run).
+        logprobs: each new token comes with its log-probability and the most likely tokens'
+        (`Handle.token_logprobs`, filled before the tokens' event)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise RequestError("the prompt is empty")
@@ -272,7 +278,7 @@ class Scheduler:
             seed_keys([seed])
         except ValueError as e:
             raise RequestError(str(e)) from None
-        handle = Handle(next(self._ids), prompt, int(max_new_tokens), sampling, int(seed), notify)
+        handle = Handle(next(self._ids), prompt, int(max_new_tokens), sampling, int(seed), notify, logprobs=logprobs)
         with self._cv:
             if self.error is not None:
                 raise Unavailable(LOOP_STOPPED)
@@ -398,7 +404,6 @@ class Scheduler:
                 h._emit(Finished("error", STEP_FAILED))
         n = len(self.owner)
         self.owner, self.pages, self.emitted, self.filled = [None] * n, [[] for _ in range(n)], [0] * n, [None] * n
-        self.sampling = None
         self.engine._reset_pools()
         return self._empty_state()
 
@@ -489,8 +494,6 @@ class Scheduler:
             self._release(s)
             self.stats["cancelled"] += 1
             h._emit(Finished("cancelled"))
-        if not self.busy():
-            self.sampling = None
         return self._free_slots_on_device(state, slots)
 
     def _prefix_key(self, prompt: list[int], lookup: bool) -> tuple[list[int], bytes]:
@@ -509,8 +512,8 @@ class Scheduler:
 
     def _take(self) -> list[int]:
         """Queued requests for the free slots, first come first served, while the pool has pages
-        and their sampling settings match the running batch's: the slots they took (prefilling
-        from their cached prefix)."""
+        (whatever their sampling settings: each row samples by its own): the slots they took
+        (prefilling from their cached prefix)."""
         allocator = self.engine.allocator
         taken, room = [], self.group - len(self._filling())  # rows one prefill pass takes
         with self._cv:
@@ -518,8 +521,6 @@ class Scheduler:
                 if self.owner[s] is not None or not self._queue or len(taken) >= room:
                     continue
                 h = self._queue[0]
-                if self.sampling is not None and h.sampling != self.sampling:
-                    break  # the running batch finishes first
                 need = len(h.prompt) + h.max_new_tokens + self.scratch
                 try:
                     pages, cached = allocator.allocate(need, *self._prefix_key(h.prompt, True))
@@ -527,7 +528,6 @@ class Scheduler:
                     break  # wait for running requests to free pages
                 self._queue.pop(0)
                 self.owner[s], self.pages[s], self.filled[s] = h, pages, cached
-                self.sampling = h.sampling
                 h.cached_tokens = cached
                 taken.append(s)
         return taken
@@ -704,6 +704,38 @@ class Scheduler:
         other = self.proposer if args[2] is self._plain else self._plain
         advance.lower(*args[:2], other, *args[3:], mesh=self.mesh).compile()
 
+    def _score_new_tokens(self, state, tokens, lengths) -> None:
+        """Log-probabilities of the tokens the round gave the requests that asked for them, in
+        one pass over those rows (`token_logprobs`), appended to their handles."""
+        rows = [s for s in self.decoding() if self.owner[s].logprobs and lengths[s] > self.emitted[s]]
+        if not rows:
+            return
+        start = np.asarray([self.emitted[s] - 1 for s in rows])  # the token before the first new one
+        count = np.asarray([lengths[s] - self.emitted[s] for s in rows])
+        r, t = 1 << (len(rows) - 1).bit_length(), coarse(int(count.max()))  # few shapes
+        inputs, targets = np.zeros((r, t), np.int32), np.zeros((r, t), np.int32)
+        for i, (s, a, n) in enumerate(zip(rows, start, count)):
+            inputs[i, :n], targets[i, :n] = tokens[s, a : a + n], tokens[s, a + 1 : a + n + 1]
+        at = np.zeros((r,), np.int32)
+        at[: len(rows)] = rows
+        lengths_in = np.zeros((r,), np.int32)
+        lengths_in[: len(rows)] = start
+        counts = np.zeros((r,), np.int32)
+        counts[: len(rows)] = count
+        c = state.cache
+        view = c.replace(block_tables=c.block_tables[jnp.asarray(at)], lengths=jnp.asarray(lengths_in))
+        args = (jnp.asarray(x) for x in (inputs, targets, counts))
+        logp, top, ids = (np.asarray(x) for x in token_logprobs(self.engine.params, self.engine.config, view, *args))
+        for i, (s, n) in enumerate(zip(rows, count)):
+            self.owner[s].token_logprobs.extend(
+                (float(logp[i, j]), list(zip(ids[i, j].tolist(), top[i, j].tolist()))) for j in range(n)
+            )
+
+    def _sampling(self) -> SamplingConfig:
+        """Each row's sampling settings (a free row's: greedy), as arrays the step program takes:
+        one program samples any mix of settings, another serves all-greedy batches."""
+        return SamplingConfig.rows([SamplingConfig() if h is None else h.sampling for h in self.owner])
+
     def _advance(self, state):
         limits = np.zeros((len(self.owner),), np.int32)
         for s in self.decoding():
@@ -721,7 +753,7 @@ class Scheduler:
             self.engine.config,
             proposer,
             params,
-            self.sampling,
+            self._sampling(),
             state,
             jnp.asarray(limits),
             jnp.asarray(self.eos, jnp.int32).reshape(-1),
@@ -745,6 +777,7 @@ class Scheduler:
                 len(self.owner), width, int(ran.max()), seconds, float((lengths - lengths_before).sum() / ran.sum())
             )
         hist = None if self.proposer is None else np.asarray(state.accepted_hist)
+        self._score_new_tokens(state, tokens, lengths)
         finished = []
         for s in self.decoding():
             h = self.owner[s]
@@ -753,6 +786,7 @@ class Scheduler:
             h.steps = int(steps[s])
             if hist is not None:
                 h.accepted_draft_tokens = int((hist[s] * np.arange(hist.shape[1])).sum())
+                h.accepted_hist = hist[s].tolist()
                 h.draft_tokens += int(ran[s]) * (width - 1)
             if new:
                 h.tokens.extend(new)
@@ -767,8 +801,6 @@ class Scheduler:
             self.stats["accepted_draft_tokens"] += h.accepted_draft_tokens
             stopped = bool(h.tokens) and h.tokens[-1] in self.eos
             h._emit(Finished("stop" if stopped else "length"))
-        if not self.busy():
-            self.sampling = None
         return self._free_slots_on_device(state, finished)
 
 
@@ -800,7 +832,7 @@ def _packed(runs) -> jax.Array:
 
 def _twin_key(args):
     _, _, _, _, sampling, state, _, eos, _, _ = args
-    return (state.tokens.shape, state.cache.block_tables.shape, sampling, eos.shape)
+    return (state.tokens.shape, state.cache.block_tables.shape, sampling.greedy, eos.shape)
 
 
 def merge_rows(proposer, state, fresh, slots):

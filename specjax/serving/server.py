@@ -4,7 +4,8 @@ POST /v1/completions and /v1/chat/completions (the model's chat template), `stre
 server-sent events; GET /v1/models, /health and /metrics (Prometheus text). Each response's
 `usage` also carries the speculative figures of its request: `draft_tokens` (tree nodes past the
 root verified), `accepted_draft_tokens`, `acceptance_rate` and `steps` (target passes), in the
-last stream chunk too. Bad fields get HTTP 400 with a one-line message naming the field, a full
+last stream chunk too (with `stream_options.include_usage`, in a chunk of its own after it, as
+OpenAI sends it). Bad fields get HTTP 400 with a one-line message naming the field, a full
 queue 429 with Retry-After; a client that goes away frees its slot and pages.
 """
 
@@ -15,6 +16,7 @@ import collections
 import contextlib
 import hmac
 import json
+import logging
 import math
 import os
 import signal
@@ -27,15 +29,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from specjax.batching import MAX_SEED
 from specjax.prompts import PromptError, encode_chat
 from specjax.sampling import SamplingConfig
+from specjax.serving.metrics import RequestMetrics
 from specjax.serving.scheduler import LOOP_STOPPED, Finished, QueueFull, RequestError, Unavailable
+from specjax.token_logprobs import MAX_TOP_LOGPROBS
 
 DISCONNECT_POLL = 0.5  # seconds between looks at whether a waiting client is still there
 MAX_REQUEST_BYTES = 1 << 20  # a request body larger than this gets 413 (--max-request-bytes)
 # Fields of OpenAI's API this server does not implement: a request that sets one to anything
 # but its neutral value gets 400 naming it, rather than an answer that silently ignores it.
 UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -106,7 +108,51 @@ def _content(content) -> str:
     raise FieldError("messages", "content must be a string or a list of text parts ({type: text, text})")
 
 
-def parse_options(body: dict) -> dict:
+def _logprobs_wanted(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token a request's `logprobs` asks for (None: no logprobs).
+    Chat: `logprobs: true` and `top_logprobs` N; completions: `logprobs` N (OpenAI's two forms)."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise FieldError("logprobs", f"must be true or false, got {json.dumps(wanted)}")
+        top = _number(body, "top_logprobs", None, int, lo=0, hi=MAX_TOP_LOGPROBS)
+        if top is not None and not wanted:
+            raise FieldError("top_logprobs", "needs logprobs: true")
+        return (top or 0) if wanted else None
+    if body.get("logprobs") is False:  # off, as some clients send it
+        return None
+    return _number(body, "logprobs", None, int, lo=0, hi=MAX_TOP_LOGPROBS)
+
+
+def logprobs_body(tokenizer, ids: list[int], entries: list, top: int, chat: bool, offset: int = 0) -> dict:
+    """OpenAI's `logprobs` object for tokens `ids` and their (log p, alternatives) `entries`:
+    chat's `content` list, or the completions' parallel lists (`text_offset` from `offset`)."""
+    text = [tokenizer.decode([i]) for i in ids]
+    alternatives = [[(tokenizer.decode([i]), lp) for i, lp in alt[:top]] for _, alt in entries]
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": t,
+                    "logprob": lp,
+                    "bytes": list(t.encode("utf-8", "replace")),
+                    "top_logprobs": [
+                        {"token": a, "logprob": alp, "bytes": list(a.encode("utf-8", "replace"))} for a, alp in alt
+                    ],
+                }
+                for t, (lp, _), alt in zip(text, entries, alternatives)
+            ]
+        }
+    offsets = [offset + sum(map(len, text[:i])) for i in range(len(text))]
+    return {
+        "tokens": text,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [dict(alt) for alt in alternatives] if top else None,
+        "text_offset": offsets,
+    }
+
+
+def parse_options(body: dict, chat: bool = False) -> dict:
     """Sampling and length options of a request body (FieldError naming a bad field)."""
     temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
     top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
@@ -136,8 +182,24 @@ def parse_options(body: dict) -> dict:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise FieldError("stream", f"must be true or false, got {json.dumps(stream)}")
+    include_usage = False
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not stream:
+            raise FieldError("stream_options", "applies only with stream: true")
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise FieldError("stream_options", "takes {include_usage: true|false} only")
+        include_usage = stream_options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise FieldError("stream_options", "include_usage must be true or false")
     return dict(
-        sampling=SamplingConfig(temperature, top_k, top_p), max_tokens=max_tokens, seed=seed, stop=stop, stream=stream
+        sampling=SamplingConfig(temperature, top_k, top_p),
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=stop,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=_logprobs_wanted(body, chat),
     )
 
 
@@ -204,6 +266,8 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     max_input_tokens: int | None = None,
+    method: str = "",
+    access_log: bool = False,
 ):
     """The FastAPI application serving `scheduler` (started and stopped with the app).
 
@@ -213,7 +277,8 @@ def create_app(
 
     exit_on_failure (`specjax serve`): when the decoding loop stops for good, the process gets
     SIGTERM a second later (every waiting request has had its 503 by then), so that the command
-    exits non-zero and a supervisor restarts it."""
+    exits non-zero and a supervisor restarts it. method: the label of /metrics' acceptance
+    histogram. access_log: one line per request on the `specjax.access` logger (`AccessLog`)."""
 
     async def watch():
         while scheduler.error is None:
@@ -237,6 +302,9 @@ def create_app(
     created = int(time.time())
 
     statuses: collections.Counter = collections.Counter()  # HTTP responses by status, for /metrics
+    request_metrics = RequestMetrics((method or "speculative") if scheduler.proposer is not None else None)
+    if access_log:
+        app.add_middleware(AccessLog)
 
     def error(status: int, message: str, param: str | None = None, headers=None):
         statuses[status] += 1
@@ -298,7 +366,7 @@ def create_app(
         field = "messages" if chat else "prompt"
         try:
             body = await read_body(request)
-            options = parse_options(body)
+            options = parse_options(body, chat)
             if body.get("model") is not None and body["model"] not in names:
                 raise FieldError(
                     "model", f"'{body['model']}' is not served here (this server serves {model_name})", 404
@@ -340,6 +408,7 @@ def create_app(
                 sampling=options["sampling"],
                 seed=options["seed"],
                 notify=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                logprobs=options["logprobs"] is not None,
             )
         except Unavailable as e:
             return error(503, str(e))
@@ -349,6 +418,16 @@ def create_app(
             return error(400, str(e), "max_tokens" if "max_tokens" in str(e) else field)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         text = TextStream(tokenizer, options["stop"])
+
+        def token_logprobs_since(first: int) -> dict | None:
+            """The `logprobs` of the answer's tokens from `first` on (None when not asked)."""
+            if options["logprobs"] is None:
+                return None
+            n = len(text.tokens)
+            offset = len(tokenizer.decode(text.tokens[:first], skip_special_tokens=True)) if first else 0
+            return logprobs_body(
+                tokenizer, text.tokens[first:n], handle.token_logprobs[first:n], options["logprobs"], chat, offset
+            )
 
         async def next_text():
             """(new text, Finished or None) after the next event; cancels on a stop string."""
@@ -381,17 +460,20 @@ def create_app(
             usage = usage_of(handle, len(prompt))
             usage["completion_tokens"] = len(text.tokens)
             usage["total_tokens"] = len(prompt) + len(text.tokens)
+            request.state.tokens = (len(prompt), len(text.tokens))
+            request_metrics.observe(handle)
             reason = _finish_reason(finished, text)
             answer = "".join(pieces)
+            logprobs = token_logprobs_since(0)
             if chat:
                 choice = {
                     "index": 0,
                     "message": {"role": "assistant", "content": answer},
                     "finish_reason": reason,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                 }
             else:
-                choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "text": answer, "finish_reason": reason, "logprobs": logprobs}
             statuses[200] += 1
             return JSONResponse(
                 {
@@ -404,20 +486,25 @@ def create_app(
                 }
             )
 
-        def chunk(piece: str | None, reason: str | None, usage=None, first=False) -> str:
+        logged = [0]  # tokens whose logprobs a chunk has carried
+
+        def chunk(piece: str | None, reason: str | None, usage=None, first=False, choices=True) -> str:
+            logprobs = None
+            if choices and not first and options["logprobs"] is not None:
+                logprobs, logged[0] = token_logprobs_since(logged[0]), len(text.tokens)
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
             out = {
                 "id": rid,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()),
                 "model": model_name,
-                "choices": [choice],
+                "choices": [choice] if choices else [],
             }
-            if usage is not None:
+            if usage is not None or options["include_usage"]:
                 out["usage"] = usage
             return f"data: {json.dumps(out)}\n\n"
 
@@ -440,7 +527,13 @@ def create_app(
                     usage = usage_of(handle, len(prompt))
                     usage["completion_tokens"] = len(text.tokens)
                     usage["total_tokens"] = len(prompt) + len(text.tokens)
-                    yield chunk(piece, _finish_reason(finished, text), usage)
+                    request.state.tokens = (len(prompt), len(text.tokens))
+                    request_metrics.observe(handle)
+                    if options["include_usage"]:  # OpenAI's form: a last chunk without choices
+                        yield chunk(piece, _finish_reason(finished, text))
+                        yield chunk(None, None, usage, choices=False)
+                    else:
+                        yield chunk(piece, _finish_reason(finished, text), usage)
                 yield "data: [DONE]\n\n"
             finally:
                 handle.cancel()  # a client that went away frees its slot; no-op when finished
@@ -473,14 +566,16 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(scheduler, statuses), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            prometheus_text(scheduler, statuses, request_metrics), media_type="text/plain; version=0.0.4"
+        )
 
     return app
 
 
-def prometheus_text(scheduler, statuses=None) -> str:
-    """The scheduler's counters and gauges, the KV pool's use and the HTTP responses by status
-    (`statuses`), in Prometheus' text format."""
+def prometheus_text(scheduler, statuses=None, request_metrics: RequestMetrics | None = None) -> str:
+    """The scheduler's counters and gauges, the KV pool's use, the HTTP responses by status
+    (`statuses`) and the requests' histograms, in Prometheus' text format."""
     s = scheduler.stats
     allocator = scheduler.engine.allocator
     rows = [
@@ -524,7 +619,43 @@ def prometheus_text(scheduler, statuses=None) -> str:
         name = "specjax_http_responses_total"
         out += [f"# HELP {name} HTTP responses by status", f"# TYPE {name} counter"]
         out += [f'{name}{{status="{code}"}} {n}' for code, n in sorted(statuses.items())]
+    if request_metrics is not None:
+        out += request_metrics.text()
     return "\n".join(out) + "\n"
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request on the `specjax.access` logger once its
+    response has gone out (a stream's last chunk included): client, method, path, status,
+    milliseconds and, for a generation, its prompt/completion tokens."""
+
+    def __init__(self, app):
+        self.app, self.log = app, logging.getLogger("specjax.access")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [0]
+
+        async def send_noting_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            tokens = scope.get("state", {}).get("tokens")
+            self.log.info(
+                '%s "%s %s" %d %.1f ms%s',
+                client[0],
+                scope["method"],
+                scope["path"],
+                status[0],
+                1000 * (time.perf_counter() - t0),
+                f" tokens {tokens[0]}/{tokens[1]}" if tokens else "",
+            )
 
 
 @contextlib.contextmanager
