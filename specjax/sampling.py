@@ -283,6 +283,30 @@ def _when(setting, test, f, x):
     return jax.lax.cond(jnp.any(test(setting)), f, lambda x: x, x)
 
 
+TOP_K_FAST = 64  # top-k up to this takes the k-th value from one top-k pass; above, a bisection
+
+
+def top_k_keep(logits, k, small: bool | None = None):
+    """bool [..., V]: the tokens top-k keeps, k per row (shaped to broadcast against logits;
+    <= 0 or >= V: all). When every row's k is at most TOP_K_FAST the k-th largest value comes
+    from one top-k pass (the native kernel on a CPU); otherwise `top_k_mask`'s bisection.
+    small: whether that holds, when known while tracing (None: decided on the device)."""
+    v = logits.shape[-1]
+    every = (k <= 0) | (k >= v)
+
+    def fast(x):
+        from specjax.cpu.top_k import top_log_probs
+
+        _, ids = top_log_probs(x, min(TOP_K_FAST, v))
+        at = jnp.broadcast_to(jnp.clip(k - 1, 0, ids.shape[-1] - 1), x.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(x, jnp.take_along_axis(ids, at, axis=-1), axis=-1)
+        return (x >= kth) | every
+
+    if small is not None:
+        return fast(logits) if small else top_k_mask(logits, k)
+    return jax.lax.cond(jnp.all(every | (k <= TOP_K_FAST)), fast, lambda x: top_k_mask(x, k), logits)
+
+
 def processed_logprobs(logits, sampling: SamplingConfig):
     """float32 log-probabilities [..., V] after temperature, top-k and top-p (masked to -inf),
     each row [B, ...] by its own settings; a row of temperature 0 gets all its mass on its argmax
@@ -292,7 +316,10 @@ def processed_logprobs(logits, sampling: SamplingConfig):
     v = x.shape[-1]
     t, k, p = (per_row(s, x) for s in (sampling.temperature, sampling.top_k, sampling.top_p))
     x = x / jnp.where(t == 0.0, 1.0, t)
-    x = _when(sampling.top_k, lambda k: (k > 0) & (k < v), lambda x: jnp.where(top_k_mask(x, k), x, -jnp.inf), x)
+    small = (
+        None if isinstance(sampling.top_k, jax.core.Tracer) else bool(np.all(np.asarray(sampling.top_k) <= TOP_K_FAST))
+    )
+    x = _when(sampling.top_k, lambda k: (k > 0) & (k < v), lambda x: jnp.where(top_k_keep(x, k, small), x, -jnp.inf), x)
     x = _when(sampling.top_p, lambda p: p < 1.0, lambda x: jnp.where(top_p_mask(x, p) | (p >= 1.0), x, -jnp.inf), x)
 
     def argmax_rows(logp):

@@ -105,6 +105,37 @@ def test_processed_logprobs_match_transformers_warpers(temperature, top_k, top_p
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+def test_per_row_settings_match_transformers_warpers_row_by_row():
+    """One call with a setting per row (traced, inside jit) equals transformers' warpers applied
+    to each row alone; greedy rows put all their mass on the argmax (first on ties). Top-k runs
+    its one-pass path (k <= 64) and its bisection (k = 70) and agrees with lax.top_k's ties."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from specjax.sampling import TOP_K_FAST, kth_largest, per_row, top_k_keep
+
+    rows = [(0.7, 0, 1.0), (0.0, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.6), (1.0, 70, 1.0), (0.0, 3, 0.5)]
+    logits = torch.randn(len(rows), 2, 100, generator=torch.Generator().manual_seed(1)) * 3
+    logits[1, 0, 7] = logits[1, 0, 9] = logits[1, 0].max() + 1  # a tie for the greedy row
+    settings = SamplingConfig.rows([SamplingConfig(*r) for r in rows])
+    got = np.exp(np.asarray(jax.jit(processed_logprobs)(jnp.asarray(logits.numpy()), settings)))
+    for i, (temperature, top_k, top_p) in enumerate(rows):
+        if temperature == 0:
+            want = np.eye(100)[np.argmax(logits[i].numpy(), -1)]
+        else:
+            scores = TemperatureLogitsWarper(temperature)(None, logits[i].clone())
+            if top_k:
+                scores = TopKLogitsWarper(top_k)(None, scores)
+            if top_p < 1:
+                scores = TopPLogitsWarper(top_p)(None, scores)
+            want = torch.softmax(scores, -1).numpy()
+        np.testing.assert_allclose(got[i], want, atol=1e-6, err_msg=str(rows[i]))
+    x = jnp.round(jnp.asarray(logits.numpy()), 1)  # many ties
+    for k in (1, 5, TOP_K_FAST, TOP_K_FAST + 1, 99):
+        want = x >= kth_largest(x, k)
+        for small in (None, k <= TOP_K_FAST):
+            np.testing.assert_array_equal(top_k_keep(x, per_row(jnp.full(len(rows), k), x), small), want)
+
+
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
 def test_top_p_mask_equals_the_sorted_rule(top_p):
     """The bisection keeps what sorting keeps: ties together, -0.0 equal to 0.0, -inf rows."""
