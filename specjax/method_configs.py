@@ -209,6 +209,35 @@ class PromptLookupConfig(_NgramMatch):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SuffixConfig(_Options):
+    """Suffix decoding: a tree of what followed earlier occurrences of the longest match of the
+    text's last tokens, counted (`specjax.proposers.suffix`)."""
+
+    method: ClassVar[str] = "suffix"
+    title: ClassVar[str] = "Suffix decoding (the request's own tokens)"
+    suffix_max_draft_tokens: int = option(
+        8, "tree nodes drafted per step at most", low=1, peer="num_speculative_tokens (vLLM)"
+    )
+    suffix_decoding_max_tree_depth: int = option(
+        24, "match length plus draft depth at most", low=1, peer="suffix_decoding_max_tree_depth (vLLM)"
+    )
+    suffix_decoding_max_spec_factor: float = option(
+        1.0, "draft up to factor x match length (+ offset) tokens", low=0, peer="suffix_decoding_max_spec_factor (vLLM)"
+    )
+    suffix_decoding_max_spec_offset: float = option(
+        0.0, "tokens added to that bound", peer="max_spec_offset (ArcticInference)"
+    )
+    suffix_decoding_min_token_prob: float = option(
+        0.1,
+        "draft only continuations of estimated probability (count share) at least this",
+        low=0,
+        high=1,
+        peer="suffix_decoding_min_token_prob (vLLM)",
+    )
+    suffix_max_match: int = option(8, "longest match of the text's last tokens looked for", low=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LookaheadConfig(_Options):
     """Lookahead: TensorRT-LLM's (W, N, G) = (max_window_size, max_ngram_size,
     max_verification_set_size)."""
@@ -404,6 +433,7 @@ CONFIGS = {
     "vanilla": VanillaConfig,
     "draft": DraftModelConfig,
     "pld": PromptLookupConfig,
+    "suffix": SuffixConfig,
     "medusa": MedusaConfig,
     "eagle1": EagleConfig,
     "eagle2": EagleConfig,
@@ -422,7 +452,7 @@ def canonical_method(method: str) -> str:
 
 
 HeadMethodConfig = MedusaConfig | EagleConfig | RedrafterConfig
-MethodConfig = VanillaConfig | DraftModelConfig | PromptLookupConfig | LookaheadConfig | HeadMethodConfig
+MethodConfig = VanillaConfig | DraftModelConfig | PromptLookupConfig | SuffixConfig | LookaheadConfig | HeadMethodConfig
 
 
 def option_fields(cls) -> tuple[dataclasses.Field, ...]:

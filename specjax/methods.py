@@ -22,6 +22,7 @@ from specjax.method_configs import (  # noqa: F401
     MethodError,
     PromptLookupConfig,
     RedrafterConfig,
+    SuffixConfig,
     VanillaConfig,
     as_flags,
     method_config,
@@ -126,6 +127,17 @@ def _build(config, target: Model):
             ), None
         except ValueError as e:
             raise MethodError(str(e)) from None
+    if isinstance(config, SuffixConfig):
+        from specjax.proposers.suffix import SuffixProposer
+
+        return SuffixProposer(
+            max_nodes=config.suffix_max_draft_tokens + 1,
+            max_tree_depth=config.suffix_decoding_max_tree_depth,
+            max_spec_factor=config.suffix_decoding_max_spec_factor,
+            max_spec_offset=config.suffix_decoding_max_spec_offset,
+            min_token_prob=config.suffix_decoding_min_token_prob,
+            max_match=config.suffix_max_match,
+        ), None
     if isinstance(config, DraftModelConfig):
         return _draft_model(config, target)
     if isinstance(config, MedusaConfig):

@@ -564,6 +564,7 @@ def _eagle_chain_oracle(target):
 # test_match_rule_with_greedy_drafts_is_lossless, the draft model end to end by draft-residual.
 E2E_METHODS = [
     "pld",
+    "suffix",
     "draft-residual",
     "eagle-recursive",
     "eagle2-floor",
@@ -602,6 +603,11 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
     elif method == "pld":
         sampling = SamplingConfig(temperature=0.8, top_k=8)
         proposer, params = PromptLookupProposer(prompt_lookup_num_tokens=3), None
+    elif method == "suffix":  # a deterministic tree of the prompt's continuations, `match` rule
+        from specjax.proposers.suffix import SuffixProposer
+
+        sampling = SamplingConfig(temperature=0.8, top_k=8)
+        proposer, params = SuffixProposer(max_nodes=6, max_spec_factor=3.0, min_token_prob=0.0), None
     elif method in ("medusa", "eagle", "eagle2", "eagle2-floor", "eagle3", "redrafter"):
         sampling = SamplingConfig(temperature=0.8, top_p=0.95)
         proposer, params = _tree_proposer(method, target)
