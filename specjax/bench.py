@@ -198,7 +198,7 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_settings(
         out_dir,
-        {"model": model_name, "max_new_tokens": max_new_tokens, "sampling": dataclasses.asdict(sampling), "seed": seed},
+        {"model": model_name, "max_new_tokens": max_new_tokens, "sampling": sampling.settings(), "seed": seed},
     )
     model = load_model(model_name)
     proposers = {}
@@ -277,7 +277,7 @@ def run_bench(
         "max_new_tokens": max_new_tokens,
         "batch": 1,
         "prompts_file": str(prompts_file),
-        "sampling": dataclasses.asdict(sampling),
+        "sampling": sampling.settings(),
         "seed": seed,
         "rows": rows,
     }

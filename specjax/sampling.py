@@ -67,6 +67,10 @@ class SamplingConfig:
             all(s.greedy for s in settings),
         )
 
+    def settings(self) -> dict:
+        """temperature, top_k and top_p, as plain numbers or lists (for JSON records)."""
+        return {k: np.asarray(getattr(self, k)).tolist() for k in ("temperature", "top_k", "top_p")}
+
     def __eq__(self, other):
         if not isinstance(other, SamplingConfig):
             return NotImplemented
