@@ -61,7 +61,7 @@ def suffix_tree(
     per match length 1..max_match, and of them the one of highest score (the sum of its nodes'
     estimated probabilities: the expected number of accepted tokens), the longer match on ties,
     as SuffixDecoding chooses."""
-    b, s = tokens.shape
+    b = tokens.shape[0]
     lengths = match_lengths(tokens, length, max_match)
     options = dict(
         max_nodes=max_nodes,
