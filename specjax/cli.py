@@ -375,6 +375,11 @@ def _add_bench(sub):
         help="folder with medusa/, eagle/, eagle3/, redrafter/ head checkpoints "
         "(default: the embedded model's shipped heads)",
     )
+    p.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="run methods with a cache of earlier outputs (suffix) a second time, the cache warm",
+    )
     _add_sampling_args(p)
     p.add_argument("--out", required=True, help="output folder (re-running it resumes)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -401,6 +406,7 @@ def cmd_bench(args) -> int:
         heads_dir=args.heads_dir,
         sampling=sampling,
         seed=args.seed,
+        warm_cache=args.warm_cache,
     )
     from specjax.bench import markdown_table
 

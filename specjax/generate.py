@@ -16,6 +16,7 @@ from specjax.batching import DecodeState, GenerationError, bucket, seed_keys, se
 from specjax.cache import PageAllocator, PagedKVCache, block_table_array, init_pages, pages_needed
 from specjax.decoding import decode_loop, decode_step, host_array, keep_decoding, prefill  # noqa: F401 (public here)
 from specjax.model_config import ModelConfig
+from specjax.proposers.suffix_cache import remember_outputs
 from specjax.sampling import SamplingConfig
 from specjax.sharding import (
     put_batch,
@@ -204,6 +205,7 @@ class Engine:
             )
         if per_prompt:
             sampling = SamplingConfig.rows(sampling)
+        given_params = proposer_params
         proposer_params = self._sharded(proposer, proposer_params)
         lens = [len(p) for p in prompts]
         scratch = scratch_slots(proposer)
@@ -222,7 +224,7 @@ class Engine:
                 allocator.free(pages)
             raise
         try:
-            return self._run(
+            out = self._run(
                 prompts,
                 lens,
                 cached,
@@ -237,6 +239,9 @@ class Engine:
                 proposer_params,
                 scratch,
             )
+            if not warmup:  # a drafter's cache of earlier outputs (suffix decoding) learns them
+                remember_outputs(given_params, out.token_ids)
+            return out
         except BaseException:
             if self.k_pages is None:  # the pools were donated to a call that failed: start afresh
                 self._reset_pools()

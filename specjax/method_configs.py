@@ -214,7 +214,7 @@ class SuffixConfig(_Options):
     text's last tokens, counted (`specjax.proposers.suffix`)."""
 
     method: ClassVar[str] = "suffix"
-    title: ClassVar[str] = "Suffix decoding (the request's own tokens)"
+    title: ClassVar[str] = "Suffix decoding (the request's tokens and a cache of earlier outputs)"
     suffix_max_draft_tokens: int = option(
         8, "tree nodes drafted per step at most", low=1, peer="num_speculative_tokens (vLLM)"
     )
@@ -235,6 +235,12 @@ class SuffixConfig(_Options):
         peer="suffix_decoding_min_token_prob (vLLM)",
     )
     suffix_max_match: int = option(8, "longest match of the text's last tokens looked for", low=1)
+    suffix_decoding_max_cached_tokens: int = option(
+        1 << 18,
+        "earlier outputs kept for every request to search, in tokens (oldest evicted; 0: none)",
+        low=0,
+        peer="suffix_decoding_max_cached_requests (vLLM, in requests)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

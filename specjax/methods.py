@@ -129,7 +129,11 @@ def _build(config, target: Model):
             raise MethodError(str(e)) from None
     if isinstance(config, SuffixConfig):
         from specjax.proposers.suffix import SuffixProposer
+        from specjax.proposers.suffix_cache import SuffixCache
 
+        tokens = config.suffix_decoding_max_cached_tokens
+        if tokens == 1:
+            raise MethodError("`suffix_decoding_max_cached_tokens` must be 0 (no cache) or >= 2, got 1")
         return SuffixProposer(
             max_nodes=config.suffix_max_draft_tokens + 1,
             max_tree_depth=config.suffix_decoding_max_tree_depth,
@@ -137,7 +141,7 @@ def _build(config, target: Model):
             max_spec_offset=config.suffix_decoding_max_spec_offset,
             min_token_prob=config.suffix_decoding_min_token_prob,
             max_match=config.suffix_max_match,
-        ), None
+        ), (SuffixCache(config.suffix_max_match, tokens) if tokens else None)
     if isinstance(config, DraftModelConfig):
         return _draft_model(config, target)
     if isinstance(config, MedusaConfig):

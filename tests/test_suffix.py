@@ -14,6 +14,7 @@ from specjax.methods import make_proposer
 from specjax.model import init_params
 from specjax.model_config import ModelConfig
 from specjax.proposers.suffix import SuffixProposer, match_lengths, suffix_tree
+from specjax.proposers.suffix_cache import SuffixCache, cached_continuations
 
 CFG = ModelConfig(
     vocab_size=64,
@@ -120,6 +121,108 @@ def test_the_method_and_its_options(tiny_model):
     params, cfg = tiny_model
     model = Model(params, cfg, None, cfg.to_hf())
     proposer, pparams = make_proposer("suffix", model, suffix_max_draft_tokens=5, suffix_decoding_max_spec_factor=2)
-    assert pparams is None and proposer.tree_size == 6 and proposer.max_spec_factor == 2.0
+    assert isinstance(pparams, SuffixCache) and pparams.capacity == 1 << 18 and pparams.max_match == 8
+    assert proposer.tree_size == 6 and proposer.max_spec_factor == 2.0
+    assert make_proposer("suffix", model, suffix_decoding_max_cached_tokens=0)[1] is None
+    with pytest.raises(MethodError, match="--suffix-decoding-max-cached-tokens must be 0"):
+        make_proposer("suffix", model, suffix_decoding_max_cached_tokens=1)
     with pytest.raises(MethodError, match="--suffix-decoding-min-token-prob must be in \\[0, 1\\]"):
         make_proposer("suffix", model, suffix_decoding_min_token_prob=1.5)
+
+
+def cached(texts, query, count=4, depth=3, max_match=3, capacity=64):
+    """{m: [continuation, ...]} the cache finds for the query's last m tokens (known tokens only)."""
+    cache = SuffixCache(max_match, capacity)
+    for t in texts:
+        cache.add(t)
+    tokens = jnp.asarray([query + [0] * 4], jnp.int32)
+    cont, known = cached_continuations(
+        cache.index, tokens, jnp.asarray([len(query)]), max_match=max_match, count=count, depth=depth
+    )
+    out = {}
+    for m in range(1, max_match + 1):
+        found = [[int(t) for t, k in zip(c, kn) if k] for c, kn in zip(cont[m - 1, 0], known[m - 1, 0])]
+        out[m] = [f for f in found if f]
+    return out
+
+
+def test_the_cache_finds_the_most_recent_continuations_of_each_match_length():
+    found = cached([[5, 6, 7, 8, 9, 10], [1, 2, 7, 8, 11, 12], [3, 8, 13]], [4, 7, 8], count=2)
+    assert found[1] == [[11, 12], [13]]  # "8": the two most recent, oldest first; a text ends
+    assert found[2] == [[9, 10], [11, 12]]  # "7 8"
+    assert found[3] == []  # "4 7 8" never seen
+    assert cached([[5, 6, 7, 8, 9, 10]], [8], count=2)[2] == []  # longer than the text: no match
+
+
+def test_the_cache_evicts_its_oldest_texts_first():
+    texts = [[1, 2, 3]] + [[10 + i, 20 + i] for i in range(30)]  # 4 + 90 tokens through a ring of 64
+    assert cached(texts, [1, 2])[2] == []
+    assert cached(texts[:1] + texts[-20:], [1, 2])[2] == [[3]]
+    assert cached(texts, [39])[1] == [[49]]
+    cache = SuffixCache(3, 64)
+    for t in texts:
+        cache.add(t)
+    assert cache.tokens == 64 and cache.written == 94
+    cache.reset()
+    assert cache.tokens == 0 and int(cache.index.written) == 0
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=8),
+    st.lists(st.integers(0, 3), min_size=1, max_size=4),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_cache_agrees_with_a_scan_of_its_texts(texts, query):
+    """What the index finds equals a brute-force scan of the cached texts: per match length,
+    the continuations of the most recent occurrences (no hash collision drafts)."""
+    found = cached(texts, query, count=3, depth=2, max_match=3, capacity=256)
+    for m in range(1, 4):
+        expected = []
+        if m <= len(query):
+            for t in texts:
+                for j in range(m - 1, len(t)):
+                    if t[j - m + 1 : j + 1] == query[-m:] and j + 1 < len(t):
+                        expected.append(t[j + 1 : j + 3])
+        assert found[m] == expected[-3:], (m, texts, query)
+
+
+def test_a_hash_collision_never_drafts():
+    cache = SuffixCache(2, 64)
+    cache.add([1, 2, 3])
+    index = cache.index
+    tampered = index.replace(text=index.text.at[2].set(9))  # the indexed "1 2" now reads "1 9"
+    tokens = jnp.asarray([[1, 2, 0]], jnp.int32)
+    _, known = cached_continuations(index, tokens, jnp.asarray([2]), max_match=2, count=2, depth=1)
+    assert bool(known[1].any())  # control: the window is found as it was indexed
+    _, known = cached_continuations(tampered, tokens, jnp.asarray([2]), max_match=2, count=2, depth=1)
+    assert not bool(known[1].any())
+
+
+def test_the_cache_learns_across_calls_and_stays_lossless(tiny_model):
+    """A second run of the same prompts drafts from the first run's outputs: greedy output equals
+    vanilla's both times, with fewer target passes the second time."""
+    params, cfg = tiny_model
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 5, 3, 2, 7, 8]]
+    eng = Engine(params, cfg, num_pages=64, page_size=8)
+    vanilla = eng.generate(prompts, 32, eos_token_ids=())
+    proposer, cache = SuffixProposer(), SuffixCache(8, 4096)
+    eng.generate(prompts, 32, eos_token_ids=(), proposer=proposer, proposer_params=cache, warmup=True)
+    assert cache.tokens == 0  # a warm-up teaches nothing
+    cold = eng.generate(prompts, 32, eos_token_ids=(), proposer=proposer, proposer_params=cache)
+    assert cache.tokens == 2 * 33
+    warm = eng.generate(prompts, 32, eos_token_ids=(), proposer=proposer, proposer_params=cache)
+    assert cold.token_ids == warm.token_ids == vanilla.token_ids
+    assert sum(warm.steps) < sum(cold.steps)
+    assert sum(warm.steps) <= sum(map(len, warm.token_ids)) / 3  # drafted from the cached answers
+
+
+def test_the_serving_scheduler_fills_the_cache(tiny_model):
+    params, cfg = tiny_model
+    eng = Engine(params, cfg, num_pages=64, page_size=8)
+    cache = SuffixCache(8, 4096)
+    answers = list(
+        eng.generate_continuous(
+            [[3, 1, 4, 1], [2, 7, 1, 8]], 16, proposer=SuffixProposer(), proposer_params=cache, eos_token_ids=()
+        )
+    )
+    assert len(answers) == 2 and cache.tokens == 2 * 17

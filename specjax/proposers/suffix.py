@@ -13,8 +13,9 @@ ties go to the shallower node, so the best-first set is always a tree. The tree 
 so the `match` rule verifies it exactly under sampling (a sibling is tried only if the target's
 own draw equals it). Everything runs inside jit, vectorized over positions and occurrences.
 
-This version reads the request's own tokens; the cache of earlier requests' outputs that
-SuffixDecoding also searches is not built yet.
+With a `SuffixCache` as its parameters (what `make_proposer` gives), the continuations of the
+most recent occurrences in earlier requests' outputs (`specjax.proposers.suffix_cache`) join the
+request's own in the same counts: a continuation seen in both counts twice.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.draft_tree import DraftTree
+from specjax.proposers.suffix_cache import cached_continuations
 from specjax.spec_decode import StatelessProposer
 
 
@@ -56,13 +58,21 @@ def suffix_tree(
     max_spec_factor: float,
     max_spec_offset: float,
     min_token_prob: float,
+    cache=None,
+    cached_occurrences: int = 32,
 ):
     """The draft trees [B, max_nodes] (root: the pending token) of the module's rule: one tree
     per match length 1..max_match, and of them the one of highest score (the sum of its nodes'
     estimated probabilities: the expected number of accepted tokens), the longer match on ties,
-    as SuffixDecoding chooses."""
+    as SuffixDecoding chooses. cache: a `SuffixIndex` whose `cached_occurrences` most recent
+    occurrences per match length count too (None: the rows' own tokens alone)."""
     b = tokens.shape[0]
     lengths = match_lengths(tokens, length, max_match)
+    depth = min(max_nodes - 1, max_tree_depth)
+    if cache is None:
+        extra = (jnp.zeros((max_match, b, 0, depth), jnp.int32), jnp.zeros((max_match, b, 0, depth), bool))
+    else:
+        extra = cached_continuations(cache, tokens, length, max_match=max_match, count=cached_occurrences, depth=depth)
     options = dict(
         max_nodes=max_nodes,
         max_occurrences=max_occurrences,
@@ -71,8 +81,8 @@ def suffix_tree(
         max_spec_offset=max_spec_offset,
         min_token_prob=min_token_prob,
     )
-    trees, scores = jax.vmap(lambda m: _tree_for_match(tokens, length, lengths, m, **options))(
-        jnp.arange(1, max_match + 1)
+    trees, scores = jax.vmap(lambda m, c, k: _tree_for_match(tokens, length, lengths, m, c, k, **options))(
+        jnp.arange(1, max_match + 1), *extra
     )  # [M, B, ...], [M, B]
     best = max_match - 1 - jnp.argmax(jnp.flip(scores == jnp.max(scores, axis=0), axis=0), axis=0)  # [B]
     rows = jnp.arange(b)
@@ -84,6 +94,8 @@ def _tree_for_match(
     length,
     lengths,
     m,
+    extra_cont,
+    extra_known,
     *,
     max_nodes,
     max_occurrences,
@@ -92,20 +104,24 @@ def _tree_for_match(
     max_spec_offset,
     min_token_prob,
 ):
-    """(the tree drafted from the occurrences of the last m tokens, its score)."""
+    """(the tree drafted from the occurrences of the last m tokens, its score); extra_cont and
+    extra_known [B, G, D]: continuations of more occurrences (the global cache's)."""
     b, s = tokens.shape
-    n, t = max_occurrences, max_nodes
+    own_n = min(max_occurrences, s)
+    n, t = own_n + extra_cont.shape[1], max_nodes
     d_max = min(t - 1, max_tree_depth)  # the deepest continuation read
     rows = jnp.arange(b)
     # The most recent occurrences of the last m tokens.
     score = jnp.where(lengths >= m, jnp.arange(s)[None, :] + 1, 0)
-    hits, ends = jax.lax.top_k(score, n)  # [B, N]
+    hits, ends = jax.lax.top_k(score, own_n)  # [B, N]
     found = hits > 0
-    occurrences = jnp.maximum(jnp.sum(found, axis=1), 1)
     d = jnp.arange(d_max)
     at = ends[:, :, None] + 1 + d[None, None, :]  # [B, N, D] the continuations' positions
-    cont = jnp.take_along_axis(tokens, jnp.clip(at, 0, s - 1).reshape(b, -1), axis=1).reshape(b, n, d_max)
-    known = found[:, :, None] & (at < length[:, None, None]) & (d[None, None, :] < max_tree_depth - m)
+    cont = jnp.take_along_axis(tokens, jnp.clip(at, 0, s - 1).reshape(b, -1), axis=1)
+    cont = jnp.concatenate([cont.reshape(b, own_n, d_max), extra_cont], axis=1)
+    known = jnp.concatenate([found[:, :, None] & (at < length[:, None, None]), extra_known], axis=1)
+    known = known & (d[None, None, :] < max_tree_depth - m)
+    occurrences = jnp.maximum(jnp.sum(known[:, :, 0], axis=1), 1)
     # same[b, i, k, d]: occurrences i and k share their continuation's first d + 1 tokens
     same = jnp.cumprod((cont[:, :, None, :] == cont[:, None, :, :]).astype(jnp.int32), axis=3).astype(bool)
     same = same & known[:, :, None, :] & known[:, None, :, :]
@@ -140,7 +156,8 @@ def _tree_for_match(
 
 @dataclasses.dataclass(frozen=True)
 class SuffixProposer(StatelessProposer):
-    """Suffix decoding over the request's own tokens (ArcticInference / vLLM option names:
+    """Suffix decoding over the request's own tokens and, when its parameters are a
+    `SuffixCache`, earlier requests' outputs (ArcticInference / vLLM option names:
     suffix_decoding_max_tree_depth, _max_spec_factor, _min_token_prob; `max_nodes` is vLLM's
     num_speculative_tokens + 1)."""
 
@@ -151,6 +168,7 @@ class SuffixProposer(StatelessProposer):
     min_token_prob: float = 0.1
     max_match: int = 8
     max_occurrences: int = 32
+    cached_occurrences: int = 32
     rule: str = "match"
     is_chain: bool = False
 
@@ -177,5 +195,7 @@ class SuffixProposer(StatelessProposer):
             max_spec_factor=self.max_spec_factor,
             max_spec_offset=self.max_spec_offset,
             min_token_prob=self.min_token_prob,
+            cache=params,
+            cached_occurrences=self.cached_occurrences,
         )
         return tree, state

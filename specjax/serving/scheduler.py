@@ -41,6 +41,7 @@ from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, bucket, seed_keys
 from specjax.cache import CacheFullError, PagedKVCache, block_table_array, pages_needed, token_pairs
 from specjax.decoding import decode_step, prefill
+from specjax.proposers.suffix_cache import remember_outputs
 from specjax.sampling import SamplingConfig
 from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
 from specjax.sharding import pinning
@@ -794,6 +795,7 @@ class Scheduler:
                 h._emit(new)
             if done[s]:
                 finished.append(s)
+        remember_outputs(self.proposer_params, [self.owner[s].tokens for s in finished])
         for s in finished:
             h = self.owner[s]
             self._release(s)
