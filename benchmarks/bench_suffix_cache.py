@@ -7,7 +7,8 @@ device-resident design), and the host's cost to add a request's output and uploa
 
 Each cache is filled with 256-token texts drawn so that n-grams repeat (a 2k-token vocabulary
 of a Zipf law). Step times are the least of `--repeat` runs of 20 steps inside one jitted
-loop. The scan is timed up to 2M cached tokens x rows (linear past them). Also lowers the indexed step for CUDA with jax.export (the program a GPU would run).
+loop. The scan is timed up to 2M cached tokens x rows (linear past them). Also lowers the
+indexed step for CUDA with jax.export (the program a GPU would run).
 """
 
 from __future__ import annotations

@@ -360,6 +360,7 @@ def sampling_check(entry: dict, samples: int, kernel_backend: str) -> None:
             eos_token_ids=(),
             proposer=proposer,
             proposer_params=pparams,
+            fixed_speculation=True,  # every step verifies the whole tree: the rule is what is tested
         )
         k, v = init_pages(TINY, 4, 32, jnp.float32)
         cache = PagedKVCache(k, v, jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32))
@@ -495,8 +496,9 @@ def oracle_speedups(entry: dict, params, cfg: ModelConfig, smoke: bool) -> None:
     rows = []
     for accepted in ORACLE_ACCEPTED:
         pparams = {"reference": reference, "count": jnp.int32(accepted - 1)}
-        engine.generate(prompt, new, eos_token_ids=(), proposer=proposer, proposer_params=pparams, warmup=True)
-        out = engine.generate(prompt, new, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+        kw = dict(eos_token_ids=(), proposer=proposer, proposer_params=pparams, fixed_speculation=True)  # forced
+        engine.generate(prompt, new, warmup=True, **kw)
+        out = engine.generate(prompt, new, **kw)
         seconds = out.seconds - out.prefill_seconds
         rows.append(
             {
@@ -677,7 +679,7 @@ def to_torch(arr, device: str):
 
 TRITON = "__gpu$xla.gpu.triton"
 # Programs that must hold the kernel: every target pass attends over the paged cache.
-ATTENDING = ("prefill", "decode_loop", "spec_loop")
+ATTENDING = ("prefill", "decode_loop", "spec_loop", "advance")
 
 
 def lower_programs(tp: int, dp: int = 1, methods=METHODS):
@@ -697,7 +699,7 @@ def lower_programs(tp: int, dp: int = 1, methods=METHODS):
 
     def exporting(fn, name):
         def run(*args, **kwargs):
-            label = f"{name}[{method}]" if name in ("spec_loop", "init_proposer") else name
+            label = f"{name}[{method}]" if name in ("spec_loop", "init_proposer", "advance") else name
             if label not in seen:
                 jitted, bound = fn, {}
                 if isinstance(fn, functools.partial):  # the mesh's engine functions bind the mesh
@@ -716,11 +718,19 @@ def lower_programs(tp: int, dp: int = 1, methods=METHODS):
 
     with use_attention_backend("xla"):
         engine = Engine(target.params, TINY, num_pages=64, page_size=16, mesh=mesh)
-        names = ("prefill", "decode_loop", "spec_loop", "init_proposer")
+        names = ("prefill", "decode_loop", "spec_loop", "init_proposer", "advance")
         engine._fns = tuple(exporting(f, n) for f, n in zip(engine._fns, names))
         for method in methods:
             proposer, pparams = method_proposer(method, target)
-            engine.generate(PROMPTS[:2], 2, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+            for fixed in (True, False):  # spec_loop, then the budget's segments (`advance`)
+                engine.generate(
+                    PROMPTS[:2],
+                    2,
+                    eos_token_ids=(),
+                    proposer=proposer,
+                    proposer_params=pparams,
+                    fixed_speculation=fixed,
+                )
     return [(name, calls, problem) for name, (calls, problem) in seen.items()]
 
 

@@ -174,6 +174,7 @@ def run_bench(
     seed: int = 0,
     keep_programs_gib: float = 8.0,
     warm_cache: bool = False,
+    fixed_speculation: bool = False,
 ) -> dict:
     """Run the benchmark; writes records.jsonl, results.json, results.md and results.png in
     out_dir and returns the results dict. sampling: a SamplingConfig (default greedy); every
@@ -184,7 +185,9 @@ def run_bench(
     A method with a cache of earlier outputs (suffix decoding) starts the run with it empty and
     fills it prompt by prompt, as a server started cold would. warm_cache=True runs such methods
     a second time over the whole workload, as "LABEL (warm)", their caches holding the first
-    pass's outputs (replayed from the records, so a resumed run is warm too)."""
+    pass's outputs (replayed from the records, so a resumed run is warm too).
+    fixed_speculation: verify whole trees every step (`Engine.generate`'s; default: the budget
+    chooses the width, its measurements kept across the run's prompts)."""
     import jax
     from tqdm import tqdm
 
@@ -205,7 +208,13 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_settings(
         out_dir,
-        {"model": model_name, "max_new_tokens": max_new_tokens, "sampling": sampling.settings(), "seed": seed},
+        {
+            "model": model_name,
+            "max_new_tokens": max_new_tokens,
+            "sampling": sampling.settings(),
+            "seed": seed,
+            "fixed_speculation": fixed_speculation,
+        },
     )
     model = load_model(model_name)
     proposers = {}
@@ -272,7 +281,13 @@ def run_bench(
                         cache.reset()
                         for q in prompts:
                             cache.add(done[(q["category"], q["index"], warm[label])]["token_ids"])
-                kw = dict(proposer=proposer, proposer_params=pparams, sampling=sampling, seeds=[seed + n])
+                kw = dict(
+                    proposer=proposer,
+                    proposer_params=pparams,
+                    sampling=sampling,
+                    seeds=[seed + n],
+                    fixed_speculation=fixed_speculation,
+                )
                 # every method prefills the whole prompt, as a first request does: none reuses
                 # the pages an earlier run published (the chat template's opening included), and
                 # the warmup compiles the very shapes the timed run uses

@@ -61,6 +61,12 @@ def _add_generate(sub):
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is, no chat template")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt")
     p.add_argument("--no-warmup", action="store_true", help="time the first (compiling) run too")
+    p.add_argument(
+        "--fixed-speculation",
+        action="store_true",
+        help="verify the method's whole trees every step (default: as many nodes as pay on "
+        "this device, down to plain decoding, measured as it decodes)",
+    )
     p.add_argument("--cache-pages", type=int, default=None, help="KV pages in the pool")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -182,7 +188,13 @@ def cmd_generate(args) -> int:
     for batch in batches:
         prompts = [encoded[i] for i in batch]
         seeds = [args.seed + i for i in batch]
-        kw = dict(sampling=sampling, seeds=seeds, proposer=proposer, proposer_params=proposer_params)
+        kw = dict(
+            sampling=sampling,
+            seeds=seeds,
+            proposer=proposer,
+            proposer_params=proposer_params,
+            fixed_speculation=args.fixed_speculation,
+        )
         if not args.no_warmup:
             engine.generate(prompts, args.max_new_tokens, warmup=True, **kw)
         out = engine.generate(prompts, args.max_new_tokens, **kw)
@@ -375,6 +387,7 @@ def _add_bench(sub):
         help="folder with medusa/, eagle/, eagle3/, redrafter/ head checkpoints "
         "(default: the embedded model's shipped heads)",
     )
+    p.add_argument("--fixed-speculation", action="store_true", help="verify whole draft trees every step (no budget)")
     p.add_argument(
         "--warm-cache",
         action="store_true",
@@ -407,6 +420,7 @@ def cmd_bench(args) -> int:
         sampling=sampling,
         seed=args.seed,
         warm_cache=args.warm_cache,
+        fixed_speculation=args.fixed_speculation,
     )
     from specjax.bench import markdown_table
 

@@ -18,6 +18,7 @@ from specjax.decoding import decode_loop, decode_step, host_array, keep_decoding
 from specjax.model_config import ModelConfig
 from specjax.proposers.suffix_cache import remember_outputs
 from specjax.sampling import SamplingConfig
+from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
 from specjax.sharding import (
     put_batch,
     put_replicated,
@@ -25,7 +26,9 @@ from specjax.sharding import (
     shard_proposer_params,
     sharded_init,
 )
-from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_loop
+from specjax.spec_decode import SpecContext, SpecState, advance, init_proposer, scratch_slots, spec_loop
+
+SEGMENT_STEPS = 16  # steps between two choices of the verified width
 
 
 @dataclasses.dataclass
@@ -97,7 +100,7 @@ class Engine:
         the bytes. A different dtype is refused (the kernel would mix precisions)."""
         dtype = pool_dtype(params, dtype)
         self.mesh = mesh
-        self._fns = (prefill, decode_loop, spec_loop, init_proposer)
+        self._fns = (prefill, decode_loop, spec_loop, init_proposer, advance)
         self._put_batch = self._put_replicated = jnp.asarray
         self._sharded_pparams: dict = {}
         if mesh is not None:
@@ -113,6 +116,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages, page_size)
         self.k_pages, self.v_pages = self._init(lambda: init_pages(config, num_pages, page_size, dtype))
         self._proposer_pools: dict = {}
+        self._budgets: dict = {}  # (proposer, batch) -> the SpeculationBudget measured so far
 
     def _init(self, make):
         """make() (pools), built directly in its shards when there is a mesh."""
@@ -160,6 +164,7 @@ class Engine:
         warmup: bool = False,
         proposer=None,
         proposer_params=None,
+        fixed_speculation: bool = False,
     ) -> GenerationOutput:
         """Generate for a batch of token-id prompts of any lengths.
 
@@ -170,6 +175,12 @@ class Engine:
         decoding (None: vanilla). warmup=True compiles every function the same call would use,
         running one decode step and publishing no prefix pages, so a following timed call
         measures generation alone.
+
+        With a proposer, every `SEGMENT_STEPS` steps the engine chooses how many of the draft
+        tree's nodes the next steps verify, down to none drafted (plain decoding), from the cost
+        and the tokens per step it measured for this batch size (`specjax.serving.budget`; kept
+        across calls), so drafting that does not pay on this device stops costing time.
+        fixed_speculation=True verifies whole trees every step, in one loop on the device.
         """
         prompts = [list(map(int, p)) for p in prompts]
         self._check(prompts, max_new_tokens)
@@ -194,6 +205,7 @@ class Engine:
                 warmup=warmup,
                 proposer=proposer,
                 proposer_params=proposer_params,
+                fixed_speculation=fixed_speculation,
             )
             hist = None if out.accepted_hist is None else out.accepted_hist[:b]
             return dataclasses.replace(
@@ -238,6 +250,7 @@ class Engine:
                 proposer,
                 proposer_params,
                 scratch,
+                fixed_speculation,
             )
             if not warmup:  # a drafter's cache of earlier outputs (suffix decoding) learns them
                 remember_outputs(given_params, out.token_ids)
@@ -257,6 +270,42 @@ class Engine:
         from specjax.continuous import generate_continuous
 
         return generate_continuous(self, prompts, max_new_tokens, **options)
+
+    def _budgeted_loop(self, proposer, proposer_params, sampling, state, limit, eos, warmup):
+        """The speculative loop in segments of `SEGMENT_STEPS` steps, each verifying the width
+        the engine's `SpeculationBudget` for this proposer and batch size chooses (width 1:
+        drafting off where the proposer allows it)."""
+        b = state.tokens.shape[0]
+        run = self._fns[4]  # `advance` (on the mesh, if any)
+        widths = budget_widths(proposer)
+        budgeted = BudgetedProposer(proposer, widths)
+        plain = budgeted.without_drafting()
+        budget = self._budgets.setdefault((proposer, b), SpeculationBudget(widths))
+        limits = jnp.broadcast_to(limit, (b,))
+        refill = jnp.int32(b + 1)  # never stop for finished rows before every row is done
+
+        def args(width):
+            params = {"base": proposer_params, "budget": jnp.int32(width)}
+            p = plain if width == 1 and plain is not None else budgeted
+            return (self.params, self.config, p, params, sampling, state, limits, eos, refill, SEGMENT_STEPS)
+
+        if warmup:  # one step, then the program without drafting runs none but is compiled
+            state = run(*args(max(widths)))
+            return state if plain is None else run(*args(1))
+        done = host_array(state.done)
+        while not done.all():
+            width = budget.choose(b)
+            steps, lengths = host_array(state.steps), host_array(state.lengths)
+            programs = advance._cache_size()
+            t0 = time.perf_counter()
+            state = run(*args(width))
+            done = host_array(state.done)
+            seconds = time.perf_counter() - t0
+            ran = host_array(state.steps) - steps
+            if ran.sum() and advance._cache_size() == programs:  # not a compile's time
+                gained = (host_array(state.lengths) - lengths).sum() / ran.sum()
+                budget.record(b, width, int(ran.max()), seconds, float(gained))
+        return state
 
     def _reset_pools(self):
         """Fresh zeroed pools and an empty prefix cache (the old contents are gone)."""
@@ -287,9 +336,10 @@ class Engine:
         proposer,
         proposer_params,
         scratch,
+        fixed_speculation=False,
     ):
         b = len(prompts)
-        prefill, decode_loop, spec_loop, init_proposer = self._fns
+        prefill, decode_loop, spec_loop, init_proposer, _ = self._fns
         put, put1 = self._put_batch, self._put_replicated
         pages_per_seq = pages_needed(bucket(max(lens) + max_new_tokens + scratch), self.page_size)
         table = put(block_table_array(page_lists, pages_per_seq, self.allocator.num_pages))
@@ -363,7 +413,10 @@ class Engine:
                 proposer_state=pstate,
                 accepted_hist=put(np.zeros((b, proposer.tree_size), np.int32)),
             )
-            state = spec_loop(self.params, self.config, proposer, proposer_params, sampling, state, limit, eos_arr)
+            if fixed_speculation or len(budget_widths(proposer)) == 1:
+                state = spec_loop(self.params, self.config, proposer, proposer_params, sampling, state, limit, eos_arr)
+            else:
+                state = self._budgeted_loop(proposer, proposer_params, sampling, state, limit, eos_arr, warmup)
             self._proposer_pools[proposer] = proposer.pools_of(state.proposer_state)
             hist = host_array(state.accepted_hist).tolist()
         self.k_pages, self.v_pages = state.cache.k_pages, state.cache.v_pages

@@ -19,6 +19,7 @@ from specjax.accept import AcceptResult, accept, accept_draws
 from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, append_until_stop
 from specjax.commit import commit
+from specjax.decoding import decode_step
 from specjax.draft_tree import DraftTree
 from specjax.model_config import ModelConfig
 from specjax.sampling import SamplingConfig, argmax_last
@@ -300,6 +301,30 @@ def spec_loop(
                 pin(state),
             )
         )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "max_steps", "mesh"), donate_argnames=("state",))
+def advance(
+    params, config, proposer, proposer_params, sampling, state, limits, eos_ids, refill, max_steps: int, mesh=None
+):
+    """Up to `max_steps` steps of every unfinished slot, stopping after the step in which the
+    `refill`-th slot (int32) finished. limits: int32[B], each slot's max_new_tokens. With a
+    `mesh` the state stays pinned to its shardings, as in the engine's loops."""
+    pin = pinning(mesh, state.tokens.shape[0])
+    done_before = jnp.sum(state.done)
+
+    def go_on(carry):
+        i, st = carry
+        return (i < max_steps) & jnp.any(~st.done) & (jnp.sum(st.done) - done_before < refill)
+
+    def step(carry):
+        i, st = carry
+        if proposer is None:
+            return i + 1, pin(decode_step(params, config, sampling, st, limits, eos_ids))
+        return i + 1, pin(spec_step(params, config, proposer, proposer_params, sampling, st, limits, eos_ids))
+
+    with attention_mesh(mesh):
+        return pin(jax.lax.while_loop(go_on, step, (jnp.int32(0), pin(state)))[1])
 
 
 @functools.partial(jax.jit, static_argnames=("proposer", "mesh"), donate_argnames=("pools",))

@@ -642,6 +642,7 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
             seeds=seeds,
             eos_token_ids=(),
             proposer=proposer,
+            fixed_speculation=True,
             proposer_params=params,
         )
         first += [t[0] for t in out.token_ids]
@@ -662,6 +663,7 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
             seeds=list(range(E2E_BATCH)),
             eos_token_ids=(),
             proposer=proposer,
+            fixed_speculation=True,
             proposer_params=params,
         )
     finally:
@@ -698,6 +700,7 @@ def test_rows_of_different_settings_share_a_batch_losslessly(models, tables, mon
                 seeds=list(range(call * E2E_BATCH, (call + 1) * E2E_BATCH)),
                 eos_token_ids=(),
                 proposer=proposer,
+                fixed_speculation=True,
                 proposer_params=params,
             )
             tokens += out.token_ids

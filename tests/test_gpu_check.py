@@ -80,6 +80,7 @@ def test_preflight_lowers_every_program_for_cuda(tp, dp, methods):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert sum("spec_loop[" in line for line in lines) == len(methods.split(",")) - 1
+    assert sum("advance[" in line for line in lines) == len(methods.split(",")) - 1  # the budget's
     assert all(line.endswith("ok") for line in lines)
 
 

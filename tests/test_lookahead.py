@@ -71,9 +71,9 @@ def vanilla(engine):
 )
 def test_greedy_equals_vanilla_batched(engine, vanilla, wng, accept_window):
     proposer = LookaheadProposer(*wng, accept_window=accept_window)
-    out = engine.generate(PROMPTS[:2], N_NEW, eos_token_ids=NO_EOS, proposer=proposer)
+    out = engine.generate(PROMPTS[:2], N_NEW, eos_token_ids=NO_EOS, proposer=proposer, fixed_speculation=True)
     assert out.token_ids == vanilla[:2]
-    single = engine.generate(PROMPTS[2:3], N_NEW, eos_token_ids=NO_EOS, proposer=proposer)
+    single = engine.generate(PROMPTS[2:3], N_NEW, eos_token_ids=NO_EOS, proposer=proposer, fixed_speculation=True)
     assert single.token_ids == vanilla[2:3]
 
 
@@ -410,8 +410,8 @@ def test_smollm2_greedy_equals_vanilla():
     encoded = [encode_prompt(smol.tokenizer, p, raw=False) for p in REAL_PROMPTS[1:]]
     vanilla = eng.generate(encoded, 64, eos_token_ids=())
     proposer = LookaheadProposer(7, 5, 7)
-    batched = eng.generate(encoded, 64, eos_token_ids=(), proposer=proposer)
-    single = eng.generate(encoded[:1], 64, eos_token_ids=(), proposer=proposer)
+    batched = eng.generate(encoded, 64, eos_token_ids=(), proposer=proposer, fixed_speculation=True)
+    single = eng.generate(encoded[:1], 64, eos_token_ids=(), proposer=proposer, fixed_speculation=True)
     for prompt, want, got in zip(encoded, vanilla.token_ids, batched.token_ids):
         assert_same_or_near_tie(smol, prompt, want, got)
     assert_same_or_near_tie(smol, encoded[0], vanilla.token_ids[0], single.token_ids[0])
@@ -464,7 +464,13 @@ def test_engine_sampling_is_lossless(accept_window, monkeypatch):
         for call in range(calls):
             seeds = list(range(call * SAMPLING_BATCH, (call + 1) * SAMPLING_BATCH))
             out = eng.generate(
-                [S_PROMPT] * SAMPLING_BATCH, 2, sampling=sampling, seeds=seeds, eos_token_ids=(), proposer=proposer
+                [S_PROMPT] * SAMPLING_BATCH,
+                2,
+                sampling=sampling,
+                seeds=seeds,
+                eos_token_ids=(),
+                proposer=proposer,
+                fixed_speculation=True,
             )
             tokens += out.token_ids
             steps += out.steps
@@ -512,6 +518,7 @@ def test_sampled_steps_argmax_only_the_window_top_level(engine):
             seeds=[0, 1, 2, 3],
             eos_token_ids=NO_EOS,
             proposer=proposer,
+            fixed_speculation=True,
         )
         return out.token_ids, out.steps
 

@@ -79,7 +79,15 @@ def test_staggered_requests_get_the_answer_they_get_alone(target, kind, sampling
     limits = [5 + 3 * (i % 4) for i in range(len(prompts))]
     alone = Engine(target, CFG, num_pages=64, page_size=8)
     outs = [
-        alone.generate([p], n, sampling=sampling, seeds=[11 + i], proposer=proposer, proposer_params=pparams)
+        alone.generate(
+            [p],
+            n,
+            sampling=sampling,
+            seeds=[11 + i],
+            proposer=proposer,
+            fixed_speculation=True,
+            proposer_params=pparams,
+        )
         for i, (p, n) in enumerate(zip(prompts, limits))
     ]
     want = [o.token_ids[0] for o in outs]
@@ -112,7 +120,10 @@ def test_a_broken_merge_is_caught(target, monkeypatch):
     proposer, pparams = random_eagle2(CFG, target)
     prompts = _prompts(4, seed=1)
     alone = Engine(target, CFG, num_pages=64, page_size=8)
-    want = [alone.generate([p], 12, proposer=proposer, proposer_params=pparams).steps[0] for p in prompts]
+    want = [
+        alone.generate([p], 12, proposer=proposer, fixed_speculation=True, proposer_params=pparams).steps[0]
+        for p in prompts
+    ]
     monkeypatch.setattr(sched_mod, "merge_rows", _keep_old_rows)
     engine = Engine(target, CFG, num_pages=64, page_size=8)
     sched = Scheduler(engine, proposer, pparams, max_batch=2, admit_group=1, budget=False).start()
@@ -198,7 +209,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_rounds(target, kind, sampl
     alone = Engine(target, CFG, num_pages=64, page_size=8)
     pparams = _proposer(kind, target)[1]
     outs = [
-        alone.generate([p], n, sampling=sampling, seeds=[seed], proposer=proposer, proposer_params=pparams)
+        alone.generate(
+            [p], n, sampling=sampling, seeds=[seed], proposer=proposer, fixed_speculation=True, proposer_params=pparams
+        )
         for p, n, seed in zip(prompts, (40, 12), (1, 2))
     ]
     for handles in (chunked, whole):
@@ -240,7 +253,10 @@ def test_the_speculation_budget_keeps_answers_and_cuts_trees(target, kind):
     proposer, pparams = _proposer(kind, target)
     prompts = _prompts(6, seed=3)
     alone = Engine(target, CFG, num_pages=64, page_size=8)
-    want = [alone.generate([p], 16, proposer=proposer, proposer_params=pparams).token_ids[0] for p in prompts]
+    want = [
+        alone.generate([p], 16, proposer=proposer, fixed_speculation=True, proposer_params=pparams).token_ids[0]
+        for p in prompts
+    ]
     engine = Engine(target, CFG, num_pages=64, page_size=8)
     sched = Scheduler(engine, proposer, pparams, max_batch=4, sync_steps=1).start()
     got = [h.result(timeout=300) for h in [sched.submit(p, 16) for p in prompts]]
@@ -344,7 +360,15 @@ def test_eagle_requests_reuse_the_pages_of_a_shared_prefix(target, sampling):
     prompts = [prefix + [5, 6, 7], prefix + [9, 10], prefix + [5, 6, 7]]
     alone = Engine(target, CFG, num_pages=64, page_size=8)
     outs = [
-        alone.generate([p], 8, sampling=sampling, seeds=[21 + i], proposer=proposer, proposer_params=pparams)
+        alone.generate(
+            [p],
+            8,
+            sampling=sampling,
+            seeds=[21 + i],
+            proposer=proposer,
+            fixed_speculation=True,
+            proposer_params=pparams,
+        )
         for i, p in enumerate(prompts)
     ]
     engine = Engine(target, CFG, num_pages=64, page_size=8)
@@ -384,8 +408,38 @@ def test_offline_continuous_batching_runs_every_method_on_the_scheduler(target, 
     }
     assert sorted(got) == list(range(6))
     for i, p in enumerate(prompts):
-        alone = engine.generate([p], 9, sampling=SAMPLED, seeds=[50 + i], proposer=proposer, proposer_params=pparams)
+        alone = engine.generate(
+            [p], 9, sampling=SAMPLED, seeds=[50 + i], proposer=proposer, fixed_speculation=True, proposer_params=pparams
+        )
         assert got[i].token_ids == alone.token_ids[0]
         assert got[i].steps == alone.steps[0] and got[i].finished_by_eos == alone.finished_by_eos[0]
     assert any(r.steps < len(r.token_ids) for r in got.values())  # drafts were accepted
     assert engine.allocator.num_free == engine.allocator.num_pages and engine.k_pages is not None
+
+
+@pytest.mark.parametrize("kind", ["pld", "eagle2", "lookahead"])
+def test_engine_generate_follows_its_budget(target, kind):
+    """`Engine.generate` runs the budget too: answers equal vanilla's whatever the widths; with
+    measurements that make plain decoding the fastest it drafts nothing (one token per pass),
+    with ones that make the whole tree the fastest it drafts; and each call measures."""
+    from specjax.serving.budget import SpeculationBudget, budget_widths
+
+    proposer, pparams = _proposer(kind, target)
+    prompts = _prompts(2, seed=5)
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    vanilla = engine.generate(prompts, 24, eos_token_ids=()).token_ids
+    widths = budget_widths(proposer)
+    kw = dict(eos_token_ids=(), proposer=proposer, proposer_params=pparams)
+    fast = {1: 1.0, proposer.tree_size: 0.001}  # seconds per step, as if measured
+    for best in (1, proposer.tree_size):
+        budget = SpeculationBudget(widths, probe_every=1000)
+        for w in widths:
+            budget.record(
+                2, w, 1, fast.get(w, 10.0) if best == proposer.tree_size else (0.001 if w == 1 else 10.0), 2.0
+            )
+        engine._budgets[(proposer, 2)] = budget
+        out = engine.generate(prompts, 24, **kw)
+        assert out.token_ids == vanilla
+        plain = sum(out.steps) == sum(map(len, out.token_ids))
+        assert plain == (best == 1), (best, out.steps)
+        assert sum(len(c) for c in budget.cost.values()) > len(widths)  # the call measured its rounds

@@ -206,11 +206,12 @@ def test_the_cache_learns_across_calls_and_stays_lossless(tiny_model):
     eng = Engine(params, cfg, num_pages=64, page_size=8)
     vanilla = eng.generate(prompts, 32, eos_token_ids=())
     proposer, cache = SuffixProposer(), SuffixCache(8, 4096)
-    eng.generate(prompts, 32, eos_token_ids=(), proposer=proposer, proposer_params=cache, warmup=True)
+    kw = dict(eos_token_ids=(), proposer=proposer, proposer_params=cache, fixed_speculation=True)
+    eng.generate(prompts, 32, warmup=True, **kw)
     assert cache.tokens == 0  # a warm-up teaches nothing
-    cold = eng.generate(prompts, 32, eos_token_ids=(), proposer=proposer, proposer_params=cache)
+    cold = eng.generate(prompts, 32, **kw)
     assert cache.tokens == 2 * 33
-    warm = eng.generate(prompts, 32, eos_token_ids=(), proposer=proposer, proposer_params=cache)
+    warm = eng.generate(prompts, 32, **kw)
     assert cold.token_ids == warm.token_ids == vanilla.token_ids
     assert sum(warm.steps) < sum(cold.steps)
     assert sum(warm.steps) <= sum(map(len, warm.token_ids)) / 3  # drafted from the cached answers

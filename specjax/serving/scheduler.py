@@ -25,7 +25,6 @@ differ from the running ones waits until those finish (first come, first served)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import queue
@@ -37,15 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, bucket, seed_keys
 from specjax.cache import CacheFullError, PagedKVCache, block_table_array, pages_needed, token_pairs
-from specjax.decoding import decode_step, prefill
+from specjax.decoding import prefill
 from specjax.proposers.suffix_cache import remember_outputs
 from specjax.sampling import SamplingConfig
 from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
-from specjax.sharding import pinning
-from specjax.spec_decode import SpecContext, SpecState, init_proposer, scratch_slots, spec_step
+from specjax.spec_decode import SpecContext, SpecState, advance, init_proposer, scratch_slots
 from specjax.token_logprobs import token_logprobs
 
 logger = logging.getLogger("specjax.serving")
@@ -137,28 +134,7 @@ class Handle:
         return self.tokens
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "max_steps", "mesh"), donate_argnames=("state",))
-def advance(
-    params, config, proposer, proposer_params, sampling, state, limits, eos_ids, refill, max_steps: int, mesh=None
-):
-    """Up to `max_steps` steps of every unfinished slot, stopping after the step in which the
-    `refill`-th slot (int32) finished. limits: int32[B], each slot's max_new_tokens. With a
-    `mesh` the state stays pinned to its shardings, as in the engine's loops."""
-    pin = pinning(mesh, state.tokens.shape[0])
-    done_before = jnp.sum(state.done)
-
-    def go_on(carry):
-        i, st = carry
-        return (i < max_steps) & jnp.any(~st.done) & (jnp.sum(st.done) - done_before < refill)
-
-    def step(carry):
-        i, st = carry
-        if proposer is None:
-            return i + 1, pin(decode_step(params, config, sampling, st, limits, eos_ids))
-        return i + 1, pin(spec_step(params, config, proposer, proposer_params, sampling, st, limits, eos_ids))
-
-    with attention_mesh(mesh):
-        return pin(jax.lax.while_loop(go_on, step, (jnp.int32(0), pin(state)))[1])
+REMEMBER_SECONDS = 2.0  # a busy server adds finished outputs to a suffix cache this often
 
 
 class Scheduler:
@@ -203,6 +179,7 @@ class Scheduler:
         self.engine, self.proposer, self.mesh = engine, proposer, engine.mesh
         proposer_params = engine._sharded(proposer, proposer_params)  # on the mesh, if any
         self.proposer_params, self.budget, self._plain = proposer_params, None, None
+        self._unremembered, self._remembered_at = [], time.perf_counter()
         self._twins: set = set()  # batch shapes whose two step programs are compiled
         if proposer is not None and budget and len(budget_widths(proposer)) > 1:
             self.proposer = BudgetedProposer(proposer, budget_widths(proposer))
@@ -415,6 +392,16 @@ class Scheduler:
         if self.decoding():
             state = self._advance(state)
         return state
+
+    def _remember(self, outputs, idle: bool) -> None:
+        """Finished outputs go to the drafter's cache of earlier outputs (suffix decoding) when
+        the batch empties or REMEMBER_SECONDS after the last time: each addition rebuilds the
+        cache's device index, O(its capacity), so a busy server pays it at most that often."""
+        self._unremembered.extend(outputs)
+        now = time.perf_counter()
+        if self._unremembered and (idle or now - self._remembered_at >= REMEMBER_SECONDS):
+            remember_outputs(self.proposer_params, self._unremembered)
+            self._unremembered, self._remembered_at = [], now
 
     def _give_back(self, state) -> None:
         engine = self.engine
@@ -795,7 +782,7 @@ class Scheduler:
                 h._emit(new)
             if done[s]:
                 finished.append(s)
-        remember_outputs(self.proposer_params, [self.owner[s].tokens for s in finished])
+        self._remember([self.owner[s].tokens for s in finished], idle=len(finished) == len(self.decoding()))
         for s in finished:
             h = self.owner[s]
             self._release(s)
