@@ -273,25 +273,28 @@ class Engine:
 
     def _budgeted_loop(self, proposer, proposer_params, sampling, state, limit, eos, warmup):
         """The speculative loop in segments of `SEGMENT_STEPS` steps, each verifying the width
-        the engine's `SpeculationBudget` for this proposer and batch size chooses (width 1:
-        drafting off where the proposer allows it)."""
+        the engine's `SpeculationBudget` for this proposer and batch size chooses. Width 1 is
+        plain decoding: drafting off where the proposer allows it, else plain decoding steps
+        that leave the drafter's state behind (a draft KV cache missing those tokens, a stale
+        Lookahead window): later drafts from it are worse, never wrong, since every drafted
+        token is verified, and the budget measures what they yield."""
         b = state.tokens.shape[0]
         run = self._fns[4]  # `advance` (on the mesh, if any)
         widths = budget_widths(proposer)
         budgeted = BudgetedProposer(proposer, widths)
-        plain = budgeted.without_drafting()
+        plain = budgeted.without_drafting() or None  # None: `advance`'s plain decoding steps
         budget = self._budgets.setdefault((proposer, b), SpeculationBudget(widths))
         limits = jnp.broadcast_to(limit, (b,))
         refill = jnp.int32(b + 1)  # never stop for finished rows before every row is done
 
         def args(width):
             params = {"base": proposer_params, "budget": jnp.int32(width)}
-            p = plain if width == 1 and plain is not None else budgeted
+            p = plain if width == 1 else budgeted
             return (self.params, self.config, p, params, sampling, state, limits, eos, refill, SEGMENT_STEPS)
 
         if warmup:  # one step, then the program without drafting runs none but is compiled
             state = run(*args(max(widths)))
-            return state if plain is None else run(*args(1))
+            return run(*args(1))
         done = host_array(state.done)
         while not done.all():
             width = budget.choose(b)
