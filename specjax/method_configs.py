@@ -290,6 +290,14 @@ class HeadMethod(_NgramMatch):
         low=1,
         metavar="W",
     )
+    lookup_method: str | None = option(
+        None,
+        "what drafts the grafted chain: 'pld' (the continuation of the longest earlier n-gram "
+        "match) or 'suffix' (the most frequent continuation of the text's last tokens, "
+        "suffix decoding's counts, up to lookup_tokens)",
+        default_text="the heads' decoding_defaults, else pld",
+        choices=("pld", "suffix"),
+    )
     no_lookup: bool = option(False, "no prompt-lookup graft, even where the heads recommend one")
 
 

@@ -84,7 +84,8 @@ def recommended(config, target: Model):
         if k in {f.name for f in dataclasses.fields(config)} and getattr(config, k) is None
     }
     if config.no_lookup:
-        fill = {k: v for k, v in fill.items() if k not in ("lookup_tokens", "lookup_width", "min_matching_ngram_size")}
+        lookup = ("lookup_tokens", "lookup_width", "lookup_method", "min_matching_ngram_size")
+        fill = {k: v for k, v in fill.items() if k not in lookup}
     return dataclasses.replace(config, heads=heads, **fill)
 
 
@@ -111,8 +112,9 @@ def make_proposer(config, target: Model, **options):
             raise MethodError("`no_lookup` and `lookup_tokens` contradict each other")
         if config.lookup_tokens is not None:
             return _grafted(config, target)
-        if config.lookup_width is not None:
-            raise MethodError("`lookup_width` applies with `lookup_tokens` (a grafted lookup)")
+        if config.lookup_width is not None or config.lookup_method is not None:
+            name = "lookup_width" if config.lookup_width is not None else "lookup_method"
+            raise MethodError(f"`{name}` applies with `lookup_tokens` (a grafted lookup)")
     return _build(config, target)
 
 
@@ -198,12 +200,17 @@ def _grafted(config, target: Model):
     from specjax.proposers.lookup_graft import LookupGraftProposer
 
     try:
-        lookup = PromptLookupProposer(
-            int(config.lookup_tokens), config.max_matching_ngram_size, config.min_matching_ngram_size or 1
-        )
+        if config.lookup_method == "suffix":
+            from specjax.proposers.suffix import SuffixProposer
+
+            lookup = SuffixProposer(max_nodes=int(config.lookup_tokens) + 1, is_chain=True)
+        else:
+            lookup = PromptLookupProposer(
+                int(config.lookup_tokens), config.max_matching_ngram_size, config.min_matching_ngram_size or 1
+            )
     except ValueError as e:
         raise MethodError(f"`lookup_tokens`: {e}") from None
-    plain = dict(lookup_tokens=None, lookup_width=None)
+    plain = dict(lookup_tokens=None, lookup_width=None, lookup_method=None)
     if config.lookup_width is not None and getattr(config, "acceptance", "") is None:
         plain["acceptance"] = "match"  # a width cuts trees by what they drafted
     base, params = _build(dataclasses.replace(config, **plain), target)

@@ -14,6 +14,7 @@ from specjax import Engine, ModelConfig, init_params
 from specjax.draft_tree import DraftTree
 from specjax.proposers import PromptLookupProposer
 from specjax.proposers.lookup_graft import LookupGraftProposer, graft_chain
+from specjax.proposers.suffix import SuffixProposer
 from specjax.spec_decode import ProposerBase
 
 CFG = ModelConfig(
@@ -128,20 +129,27 @@ def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
     base, params = random_eagle2(CFG, target)
     eng = Engine(target, CFG, num_pages=256, page_size=4)
     vanilla = eng.generate(prompts, 40, eos_token_ids=())
-    alone = eng.generate(prompts, 40, eos_token_ids=(), proposer=base, proposer_params=params)
+    alone = eng.generate(prompts, 40, eos_token_ids=(), proposer=base, proposer_params=params, fixed_speculation=True)
     graft = LookupGraftProposer(base, PromptLookupProposer(6, 3, 1))
     assert graft.tree_size == 11 and graft.draft_scratch == base.draft_scratch
     assert graft.likely_widths == (base.tree_size,)  # no continuation: the tree's own width
     # commit and update read only this many path nodes: the continuation's depth, not the tree's
     assert base.max_path_len == 4 and graft.max_path_len == 7
-    both = eng.generate(prompts, 40, eos_token_ids=(), proposer=graft, proposer_params=params)
+    both = eng.generate(prompts, 40, eos_token_ids=(), proposer=graft, proposer_params=params, fixed_speculation=True)
     assert both.token_ids == vanilla.token_ids == alone.token_ids
     # the random target falls into loops that lookup finds and the random draft does not
     assert sum(both.steps) < sum(alone.steps)
     narrow = LookupGraftProposer(base, PromptLookupProposer(6, 3, 1), width=6)
     assert narrow.likely_widths == (base.tree_size, 6)
-    within = eng.generate(prompts, 40, eos_token_ids=(), proposer=narrow, proposer_params=params)
+    within = eng.generate(
+        prompts, 40, eos_token_ids=(), proposer=narrow, proposer_params=params, fixed_speculation=True
+    )
     assert within.token_ids == vanilla.token_ids and sum(within.steps) < sum(alone.steps)
+    # suffix decoding's most frequent continuation as the grafted chain
+    chain = LookupGraftProposer(base, SuffixProposer(max_nodes=7, is_chain=True))
+    assert chain.tree_size == 11 and chain.max_path_len == 7
+    both = eng.generate(prompts, 40, eos_token_ids=(), proposer=chain, proposer_params=params, fixed_speculation=True)
+    assert both.token_ids == vanilla.token_ids and sum(both.steps) < sum(alone.steps)
 
 
 def test_graft_refuses_lossy_rules_and_bad_options(target):

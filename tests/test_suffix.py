@@ -227,3 +227,23 @@ def test_the_serving_scheduler_fills_the_cache(tiny_model):
         )
     )
     assert len(answers) == 2 and cache.tokens == 2 * 17
+
+
+def test_chain_mode_follows_the_most_frequent_continuation():
+    # "1 2" -> 9 (twice) then 7 or 3 (once each: the most recent, 3, on the tie); 8 is dropped
+    assert tree_of(TEXT, chain=True) == [(2, -1, 0), (9, 0, 1), (3, 1, 2)]
+    text = [5, 1, 2, 9, 7, 1, 2, 8, 6, 1, 2, 9, 3, 1, 2, 8, 6, 1, 2]  # the tree is a chain already
+    assert tree_of(text, chain=True, max_spec_factor=3) == tree_of(text, max_spec_factor=3)
+
+
+def test_the_graft_option_takes_suffix_chains(tiny_model):
+    from specjax.loading import Model
+    from specjax.method_configs import MethodError, method_config
+
+    params, cfg = tiny_model
+    model = Model(params, cfg, None, cfg.to_hf())
+    assert method_config("eagle2", lookup_tokens=5, lookup_method="suffix").lookup_method == "suffix"
+    with pytest.raises(MethodError, match="`lookup_method` is pld or suffix, not 'ngram'"):
+        method_config("eagle2", lookup_tokens=5, lookup_method="ngram")
+    with pytest.raises(MethodError, match="--lookup-method applies with --lookup-tokens"):
+        make_proposer("eagle2", model, lookup_method="suffix")

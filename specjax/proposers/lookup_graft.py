@@ -87,7 +87,7 @@ class LookupGraftProposer(ProposerWrapper):
 
     The base proposer keeps its own state, pools and update (its update sees the accepted path
     whichever drafter proposed it, with the target's features of every accepted node); prompt
-    lookup reads only the token buffer. The tree grows by `lookup.prompt_lookup_num_tokens`
+    lookup reads only the token buffer. The tree grows by the lookup's `tree_size - 1`
     nodes, verified only when the lookup finds a continuation the tree does not hold already
     (`verify_pruned` runs as wide as the last valid node, the base tree's width among its
     choices: `likely_widths`). `width`: the widest a step with a lookup continuation verifies;
@@ -96,7 +96,7 @@ class LookupGraftProposer(ProposerWrapper):
     """
 
     base: Any
-    lookup: PromptLookupProposer = PromptLookupProposer(5, 3, 2)
+    lookup: Any = PromptLookupProposer(5, 3, 2)  # a stateless chain drafter (or SuffixProposer chains)
     is_chain: bool = False
     width: int | None = None
 
@@ -118,13 +118,13 @@ class LookupGraftProposer(ProposerWrapper):
 
     @property
     def tree_size(self) -> int:
-        return self.base.tree_size + self.lookup.prompt_lookup_num_tokens
+        return self.base.tree_size + self.lookup.tree_size - 1
 
     @property
     def max_path_len(self) -> int:
         """The base's longest root path, or the continuation's (it shares a prefix with the
-        tree and ends at most prompt_lookup_num_tokens deep)."""
-        return max(self.base.max_path_len, self.lookup.prompt_lookup_num_tokens + 1)
+        tree and ends at most `lookup.tree_size - 1` deep)."""
+        return max(self.base.max_path_len, self.lookup.tree_size)
 
     @property
     def likely_widths(self) -> tuple[int, ...]:

@@ -60,6 +60,7 @@ def suffix_tree(
     min_token_prob: float,
     cache=None,
     cached_occurrences: int = 32,
+    chain: bool = False,
 ):
     """The draft trees [B, max_nodes] (root: the pending token) of the module's rule: one tree
     per match length 1..max_match, and of them the one of highest score (the sum of its nodes'
@@ -74,6 +75,7 @@ def suffix_tree(
     else:
         extra = cached_continuations(cache, tokens, length, max_match=max_match, count=cached_occurrences, depth=depth)
     options = dict(
+        chain=chain,
         max_nodes=max_nodes,
         max_occurrences=max_occurrences,
         max_tree_depth=max_tree_depth,
@@ -103,9 +105,11 @@ def _tree_for_match(
     max_spec_factor,
     max_spec_offset,
     min_token_prob,
+    chain=False,
 ):
     """(the tree drafted from the occurrences of the last m tokens, its score); extra_cont and
-    extra_known [B, G, D]: continuations of more occurrences (the global cache's)."""
+    extra_known [B, G, D]: continuations of more occurrences (the global cache's). chain: only
+    the path that takes the most frequent continuation at every depth."""
     b, s = tokens.shape
     own_n = min(max_occurrences, s)
     n, t = own_n + extra_cont.shape[1], max_nodes
@@ -131,6 +135,8 @@ def _tree_for_match(
     prob = count / occurrences[:, None, None]
     budget = jnp.minimum(jnp.floor(max_spec_factor * m + max_spec_offset).astype(jnp.int32), t - 1)
     keep = own & (prob >= min_token_prob)
+    if chain:
+        keep = keep & _greedy_path(same, count, first, known)
     # Best first: higher count, then shallower (so a parent always precedes its children).
     key = jnp.where(keep, count * (d_max + 1) + (d_max - d)[None, None, :], -1).reshape(b, n * d_max)
     best, pick = jax.lax.top_k(key, t - 1)  # [B, T - 1]
@@ -152,6 +158,21 @@ def _tree_for_match(
         valid=jnp.concatenate([jnp.ones((b, 1), bool), valid], 1),
     )
     return tree, jnp.sum(jnp.where(valid, node_prob, 0.0), axis=1)
+
+
+def _greedy_path(same, count, first, known):
+    """bool[B, N, D]: the candidates (first occurrence of a prefix, depth) on the path that
+    follows the most frequent continuation at each depth (the most recent occurrence on ties)."""
+    b, n, d_max = count.shape
+    rows = jnp.arange(b)
+    alive = known[:, :, 0]
+    path = jnp.zeros((b, n, d_max), bool)
+    for j in range(d_max):
+        c = jnp.where(alive & known[:, :, j], count[:, :, j], 0)
+        r = jnp.argmax(c, axis=1)  # an occurrence on the path
+        path = path.at[rows, first[rows, r, j], j].set(jnp.max(c, axis=1) > 0)
+        alive = alive & same[rows[:, None], jnp.arange(n)[None, :], r[:, None], j]
+    return path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,5 +218,6 @@ class SuffixProposer(StatelessProposer):
             min_token_prob=self.min_token_prob,
             cache=params,
             cached_occurrences=self.cached_occurrences,
+            chain=self.is_chain,
         )
         return tree, state
