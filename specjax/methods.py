@@ -200,10 +200,13 @@ def _grafted(config, target: Model):
     from specjax.proposers.lookup_graft import LookupGraftProposer
 
     try:
+        cache = None
         if config.lookup_method == "suffix":
             from specjax.proposers.suffix import SuffixProposer
+            from specjax.proposers.suffix_cache import SuffixCache
 
             lookup = SuffixProposer(max_nodes=int(config.lookup_tokens) + 1, is_chain=True)
+            cache = SuffixCache(lookup.max_match, SuffixConfig().suffix_decoding_max_cached_tokens)
         else:
             lookup = PromptLookupProposer(
                 int(config.lookup_tokens), config.max_matching_ngram_size, config.min_matching_ngram_size or 1
@@ -215,7 +218,8 @@ def _grafted(config, target: Model):
         plain["acceptance"] = "match"  # a width cuts trees by what they drafted
     base, params = _build(dataclasses.replace(config, **plain), target)
     try:
-        return LookupGraftProposer(base, lookup, width=config.lookup_width), params
+        graft = LookupGraftProposer(base, lookup, width=config.lookup_width, lookup_params=cache is not None)
+        return graft, (params if cache is None else {"base": params, "lookup": cache})
     except ValueError as e:
         raise MethodError(f"`lookup_width`: {e}" if "width" in str(e) else str(e)) from None
 

@@ -150,6 +150,14 @@ def test_grafted_eagle2_greedy_equals_vanilla_and_accepts_more(target):
     assert chain.tree_size == 11 and chain.max_path_len == 7
     both = eng.generate(prompts, 40, eos_token_ids=(), proposer=chain, proposer_params=params, fixed_speculation=True)
     assert both.token_ids == vanilla.token_ids and sum(both.steps) < sum(alone.steps)
+    # with a cache of earlier outputs: a second run of the same prompts drafts from the first's
+    from specjax.proposers.suffix_cache import SuffixCache
+
+    cached = dataclasses.replace(chain, lookup_params=True)
+    kw = dict(eos_token_ids=(), proposer=cached, fixed_speculation=True)
+    kw["proposer_params"] = {"base": params, "lookup": SuffixCache(8, 4096)}
+    cold, warm = (eng.generate(prompts, 40, **kw) for _ in range(2))
+    assert cold.token_ids == warm.token_ids == vanilla.token_ids and sum(warm.steps) < sum(cold.steps)
 
 
 def test_graft_refuses_lossy_rules_and_bad_options(target):

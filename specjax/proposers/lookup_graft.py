@@ -99,6 +99,8 @@ class LookupGraftProposer(ProposerWrapper):
     lookup: Any = PromptLookupProposer(5, 3, 2)  # a stateless chain drafter (or SuffixProposer chains)
     is_chain: bool = False
     width: int | None = None
+    # params are {"base": the base's, "lookup": the lookup's (a suffix cache)}; else the base's
+    lookup_params: bool = False
 
     def __post_init__(self):
         if self.base.rule not in TREE_RULES or self.base.rule_options:
@@ -132,8 +134,18 @@ class LookupGraftProposer(ProposerWrapper):
         widths = (self.base.tree_size, *self.base.likely_widths)
         return widths if self.width is None else (*widths, self.width)
 
+    def _split(self, params):
+        return (params["base"], params["lookup"]) if self.lookup_params else (params, None)
+
+    def init(self, params, pools, ctx, prompt_chunk, prompt_len):
+        return self.base.init(self._split(params)[0], pools, ctx, prompt_chunk, prompt_len)
+
+    def update(self, params, state, ctx, result, active):
+        return self.base.update(self._split(params)[0], state, ctx, result, active)
+
     def propose(self, params, state, ctx, keys, sampling):
-        tree, state = self.base.propose(params, state, ctx, keys, sampling)
-        found, _ = self.lookup.propose(None, (), ctx, keys, sampling)
+        base_params, lookup_params = self._split(params)
+        tree, state = self.base.propose(base_params, state, ctx, keys, sampling)
+        found, _ = self.lookup.propose(lookup_params, (), ctx, keys, sampling)
         count = jnp.sum(found.valid[:, 1:], axis=1).astype(jnp.int32)
         return graft_chain(tree, found.tokens[:, 1:], count, self.width), state
