@@ -40,18 +40,22 @@ class BenchError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
-    """One benchmarked configuration: `METHOD[:key=value[:key=value]]`, e.g.
-    `eagle2:eagle_total_tokens=16:eagle_depth=3` (keys are `make_proposer` keywords)."""
+    """One benchmarked configuration: `METHOD[:key=value[:key=value]][@fixed]`, e.g.
+    `eagle2:eagle_total_tokens=16:eagle_depth=3` (keys are `make_proposer` keywords); `@fixed`
+    verifies whole trees every step (no speculation budget), beside the same method with it."""
 
     label: str
     method: str
     options: tuple = ()
+    fixed: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "MethodSpec":
         from specjax.method_configs import METHODS, canonical_method
 
-        method, *pairs = text.strip().split(":")
+        body, fixed = text.strip(), text.strip().endswith("@fixed")
+        body = body.removesuffix("@fixed")
+        method, *pairs = body.split(":")
         method = canonical_method(method)
         if method not in METHODS:
             raise BenchError(f"unknown method '{method}' (available: {', '.join(METHODS)})")
@@ -64,7 +68,7 @@ class MethodSpec:
                 options.append((key, json.loads(value)))
             except json.JSONDecodeError:
                 options.append((key, value))
-        return cls(text.strip(), method, tuple(options))
+        return cls(text.strip(), method, tuple(options), fixed)
 
 
 def read_bench_prompts(path, categories=None, limit=None) -> list[dict]:
@@ -232,6 +236,7 @@ def run_bench(
     draft_spec = next((s for s in specs if s.method == "draft"), None)
     draft_opts = dict(draft_spec.options) if draft_spec else {}
     cached = {s.label: caches_of(proposers[s.label][1]) for s in specs}
+    fixed_labels = {s.label: s.fixed for s in specs}
     warm = {f"{label} (warm)": label for label, c in cached.items() if c and warm_cache}
     labels = [s.label for s in specs] + (list(PEERS) if peers else [])
 
@@ -286,7 +291,7 @@ def run_bench(
                     proposer_params=pparams,
                     sampling=sampling,
                     seeds=[seed + n],
-                    fixed_speculation=fixed_speculation,
+                    fixed_speculation=fixed_speculation or fixed_labels.get(warm.get(label, label), False),
                 )
                 # every method prefills the whole prompt, as a first request does: none reuses
                 # the pages an earlier run published (the chat template's opening included), and

@@ -29,6 +29,7 @@ from specjax.sharding import (
 from specjax.spec_decode import SpecContext, SpecState, advance, init_proposer, scratch_slots, spec_loop
 
 SEGMENT_STEPS = 16  # steps between two choices of the verified width
+PROBE_STEPS = 4  # steps of a width measured again while another is the fastest
 
 
 @dataclasses.dataclass
@@ -280,28 +281,38 @@ class Engine:
         token is verified, and the budget measures what they yield."""
         b = state.tokens.shape[0]
         run = self._fns[4]  # `advance` (on the mesh, if any)
-        widths = budget_widths(proposer)
+        # plain decoding or the whole tree: a prefix of a grafted tree drops the graft's chain
+        # first, and over a call's few segments each middle width measured costs more than it
+        # saves (the server, with many rounds, also tries the drafter's likely widths)
+        widths = (1, proposer.tree_size)
         budgeted = BudgetedProposer(proposer, widths)
         plain = budgeted.without_drafting() or None  # None: `advance`'s plain decoding steps
         budget = self._budgets.setdefault((proposer, b), SpeculationBudget(widths))
         limits = jnp.broadcast_to(limit, (b,))
         refill = jnp.int32(b + 1)  # never stop for finished rows before every row is done
 
-        def args(width):
+        def args(width, steps=SEGMENT_STEPS):
             params = {"base": proposer_params, "budget": jnp.int32(width)}
             p = plain if width == 1 else budgeted
-            return (self.params, self.config, p, params, sampling, state, limits, eos, refill, SEGMENT_STEPS)
+            return (self.params, self.config, p, params, sampling, state, limits, eos, refill, steps)
 
-        if warmup:  # one step, then the program without drafting runs none but is compiled
-            state = run(*args(max(widths)))
-            return run(*args(1))
+        if warmup:  # one step, then the other programs (plain decoding, probes) run none
+            for width, steps in (
+                (max(widths), SEGMENT_STEPS),
+                (max(widths), PROBE_STEPS),
+                (1, SEGMENT_STEPS),
+                (1, PROBE_STEPS),
+            ):
+                state = run(*args(width, steps))
+            return state
         done = host_array(state.done)
         while not done.all():
             width = budget.choose(b)
+            probe = (b, width) in budget.cost and width != budget.best(b)
             steps, lengths = host_array(state.steps), host_array(state.lengths)
             programs = advance._cache_size()
             t0 = time.perf_counter()
-            state = run(*args(width))
+            state = run(*args(width, PROBE_STEPS if probe else SEGMENT_STEPS))
             done = host_array(state.done)
             seconds = time.perf_counter() - t0
             ran = host_array(state.steps) - steps

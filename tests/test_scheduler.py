@@ -426,13 +426,13 @@ def test_engine_generate_follows_its_budget(target, kind):
     """`Engine.generate` runs the budget too: answers equal vanilla's whatever the widths; with
     measurements that make plain decoding the fastest it drafts nothing (one token per pass),
     with ones that make the whole tree the fastest it drafts; and each call measures."""
-    from specjax.serving.budget import SpeculationBudget, budget_widths
+    from specjax.serving.budget import SpeculationBudget
 
     proposer, pparams = _proposer(kind, target)
     prompts = _prompts(2, seed=5)
     engine = Engine(target, CFG, num_pages=64, page_size=8)
     vanilla = engine.generate(prompts, 24, eos_token_ids=()).token_ids
-    widths = budget_widths(proposer)
+    widths = (1, proposer.tree_size)  # the engine's: plain decoding or the whole tree
     kw = dict(eos_token_ids=(), proposer=proposer, proposer_params=pparams)
     fast = {1: 1.0, proposer.tree_size: 0.001}  # seconds per step, as if measured
     for best in (1, proposer.tree_size):

@@ -126,9 +126,11 @@ def _tree_for_match(
     known = jnp.concatenate([found[:, :, None] & (at < length[:, None, None]), extra_known], axis=1)
     known = known & (d[None, None, :] < max_tree_depth - m)
     occurrences = jnp.maximum(jnp.sum(known[:, :, 0], axis=1), 1)
-    # same[b, i, k, d]: occurrences i and k share their continuation's first d + 1 tokens
-    same = jnp.cumprod((cont[:, :, None, :] == cont[:, None, :, :]).astype(jnp.int32), axis=3).astype(bool)
-    same = same & known[:, :, None, :] & known[:, None, :, :]
+    # same[b, i, k, d]: occurrences i and k share their continuation's first d + 1 tokens,
+    # compared as hashes of the prefixes (one comparison per pair and depth, no running product;
+    # a collision could only draft a wrong token, which verification rejects)
+    prefix = _prefix_hashes(cont)
+    same = (prefix[:, :, None, :] == prefix[:, None, :, :]) & known[:, :, None, :] & known[:, None, :, :]
     count = jnp.sum(same, axis=2)  # [B, N, D]
     first = jnp.argmax(same, axis=2)  # the earliest occurrence with the same prefix
     own = known & (first == jnp.arange(n)[None, :, None])  # one candidate per distinct prefix
@@ -158,6 +160,16 @@ def _tree_for_match(
         valid=jnp.concatenate([jnp.ones((b, 1), bool), valid], 1),
     )
     return tree, jnp.sum(jnp.where(valid, node_prob, 0.0), axis=1)
+
+
+def _prefix_hashes(cont):
+    """uint32[B, N, D]: a hash of each continuation's first d + 1 tokens."""
+    h = jnp.zeros(cont.shape[:2], jnp.uint32)
+    out = []
+    for d in range(cont.shape[2]):
+        h = h * jnp.uint32(0x01000193) + cont[:, :, d].astype(jnp.uint32) + jnp.uint32(1)
+        out.append(h)
+    return jnp.stack(out, axis=2)
 
 
 def _greedy_path(same, count, first, known):

@@ -105,13 +105,20 @@ class SpeculationBudget:
         self.gain: dict[int, float] = {1: 1.0}  # width -> new tokens per request per step
         self.rounds: dict[int, int] = {}
 
+    def best(self, rows: int) -> int | None:
+        """The width of the highest measured tokens per second for `rows` (None: some width is
+        not measured yet)."""
+        if any((rows, w) not in self.cost or w not in self.gain for w in self.widths):
+            return None
+        rate = {w: self.gain[w] / min(self.cost[(rows, w)]) for w in self.widths}
+        return max(rate, key=rate.get)
+
     def choose(self, rows: int) -> int:
         n = self.rounds[rows] = self.rounds.get(rows, 0) + 1
         for w in reversed(self.widths):
             if (rows, w) not in self.cost or w not in self.gain:
                 return w  # not measured yet: try it (the whole tree first)
-        rate = {w: self.gain[w] / min(self.cost[(rows, w)]) for w in self.widths}
-        best = max(rate, key=rate.get)
+        best = self.best(rows)
         if n % self.probe_every == 0 and len(self.widths) > 1:
             others = [w for w in self.widths if w != best]
             return others[(n // self.probe_every) % len(others)]
