@@ -18,7 +18,7 @@ from specjax.decoding import decode_loop, decode_step, host_array, keep_decoding
 from specjax.model_config import ModelConfig
 from specjax.proposers.suffix_cache import remember_outputs
 from specjax.sampling import SamplingConfig
-from specjax.serving.budget import BudgetedProposer, SpeculationBudget, budget_widths
+from specjax.serving.budget import BudgetedProposer, SpeculationBudget
 from specjax.sharding import (
     put_batch,
     put_replicated,
@@ -28,7 +28,7 @@ from specjax.sharding import (
 )
 from specjax.spec_decode import SpecContext, SpecState, advance, init_proposer, scratch_slots, spec_loop
 
-SEGMENT_STEPS = 16  # steps between two choices of the verified width
+SEGMENT_STEPS = 64  # steps between two choices (16 measured 3-5% slower for EAGLE-2 on a CPU)
 PROBE_STEPS = 4  # steps of a width measured again while another is the fastest
 
 
@@ -177,10 +177,10 @@ class Engine:
         running one decode step and publishing no prefix pages, so a following timed call
         measures generation alone.
 
-        With a proposer, every `SEGMENT_STEPS` steps the engine chooses how many of the draft
-        tree's nodes the next steps verify, down to none drafted (plain decoding), from the cost
-        and the tokens per step it measured for this batch size (`specjax.serving.budget`; kept
-        across calls), so drafting that does not pay on this device stops costing time.
+        With a proposer, every `SEGMENT_STEPS` steps the engine chooses whether the next steps
+        verify the whole draft tree or run plain decoding, from the cost and the tokens per step
+        it measured for this batch size (`specjax.serving.budget`; kept across calls), so
+        drafting that does not pay on this device stops costing time.
         fixed_speculation=True verifies whole trees every step, in one loop on the device.
         """
         prompts = [list(map(int, p)) for p in prompts]
@@ -427,7 +427,7 @@ class Engine:
                 proposer_state=pstate,
                 accepted_hist=put(np.zeros((b, proposer.tree_size), np.int32)),
             )
-            if fixed_speculation or len(budget_widths(proposer)) == 1:
+            if fixed_speculation or proposer.tree_size == 1:
                 state = spec_loop(self.params, self.config, proposer, proposer_params, sampling, state, limit, eos_arr)
             else:
                 state = self._budgeted_loop(proposer, proposer_params, sampling, state, limit, eos_arr, warmup)
