@@ -195,39 +195,12 @@ def test_sampled_beams_decode_losslessly(tiny):
     model, heads, eng = tiny
     proposer, pparams = rd.make_redrafter(model, heads, num_beams=3, draft_len_per_beam=3, greedy_search=False)
     vanilla = eng.generate(PROMPTS, 16, eos_token_ids=())
-    one_hot = SamplingConfig(temperature=0.8, top_k=1)
-    spec = eng.generate(
-        PROMPTS,
-        16,
-        eos_token_ids=(),
-        sampling=one_hot,
-        seeds=[4, 5],
-        proposer=proposer,
-        proposer_params=pparams,
-        fixed_speculation=True,
-    )
+    kw = dict(eos_token_ids=(), proposer=proposer, proposer_params=pparams, fixed_speculation=True)
+    spec = eng.generate(PROMPTS, 16, sampling=SamplingConfig(temperature=0.8, top_k=1), seeds=[4, 5], **kw)
     assert spec.token_ids == vanilla.token_ids
     hot = SamplingConfig(temperature=1.5)
-    a = eng.generate(
-        PROMPTS,
-        16,
-        eos_token_ids=(),
-        sampling=hot,
-        seeds=[1, 2],
-        proposer=proposer,
-        proposer_params=pparams,
-        fixed_speculation=True,
-    )
-    b = eng.generate(
-        PROMPTS,
-        16,
-        eos_token_ids=(),
-        sampling=hot,
-        seeds=[1, 2],
-        proposer=proposer,
-        proposer_params=pparams,
-        fixed_speculation=True,
-    )
+    a = eng.generate(PROMPTS, 16, sampling=hot, seeds=[1, 2], **kw)
+    b = eng.generate(PROMPTS, 16, sampling=hot, seeds=[1, 2], **kw)
     assert a.token_ids == b.token_ids and all(len(t) == 16 for t in a.token_ids)
     assert a.token_ids != vanilla.token_ids
 
