@@ -57,16 +57,7 @@ def scan_tree(text, written, tokens, length, count=32):
         cont = text[jnp.mod(at, c)]
         conts.append(cont)
         knowns.append((hits > 0)[..., None] & (jnp.cumprod(cont != SEPARATOR, axis=-1) > 0))
-    extra = (jnp.stack(conts), jnp.stack(knowns))
-    from specjax.proposers import suffix as suffix_mod
-
-    lengths = suffix_mod.match_lengths(tokens, length, m_max)
-    opts = {k: v for k, v in OPTIONS.items() if k != "max_match"}
-    trees, scores = jax.vmap(lambda m, cc, kk: suffix_mod._tree_for_match(tokens, length, lengths, m, cc, kk, **opts))(
-        jnp.arange(1, m_max + 1), *extra
-    )
-    best = jnp.argmax(scores, axis=0)
-    return jax.tree_util.tree_map(lambda x: x[best, jnp.arange(b)], trees)
+    return suffix_tree(tokens, length, **OPTIONS, extra=(jnp.stack(conts), jnp.stack(knowns)))
 
 
 def filled_cache(tokens: int, rng) -> SuffixCache:

@@ -61,18 +61,20 @@ def suffix_tree(
     cache=None,
     cached_occurrences: int = 32,
     chain: bool = False,
+    extra=None,
 ):
     """The draft trees [B, max_nodes] (root: the pending token) of the module's rule: one tree
     per match length 1..max_match, and of them the one of highest score (the sum of its nodes'
     estimated probabilities: the expected number of accepted tokens), the longer match on ties,
     as SuffixDecoding chooses. cache: a `SuffixIndex` whose `cached_occurrences` most recent
-    occurrences per match length count too (None: the rows' own tokens alone)."""
+    occurrences per match length count too (None: the rows' own tokens alone); extra: such
+    continuations found by other means, (cont, known) of shape [M, B, G, D]."""
     b = tokens.shape[0]
     lengths = match_lengths(tokens, length, max_match)
     depth = min(max_nodes - 1, max_tree_depth)
-    if cache is None:
+    if extra is None and cache is None:
         extra = (jnp.zeros((max_match, b, 0, depth), jnp.int32), jnp.zeros((max_match, b, 0, depth), bool))
-    else:
+    elif extra is None:
         extra = cached_continuations(cache, tokens, length, max_match=max_match, count=cached_occurrences, depth=depth)
     options = dict(
         chain=chain,
