@@ -29,7 +29,9 @@ from specjax.sharding import (
 from specjax.spec_decode import SpecContext, SpecState, advance, init_proposer, scratch_slots, spec_loop
 
 SEGMENT_STEPS = 64  # steps between two choices (16 measured 3-5% slower for EAGLE-2 on a CPU)
-PROBE_STEPS = 4  # steps of a width measured again while another is the fastest
+PROBE_STEPS = 8  # steps of a width tried first, or measured again while another is the fastest
+ENGINE_PROBE_EVERY = 4  # segments between two probes of drafting while plain decoding is faster
+ENGINE_DECAY = 0.5  # weight of the old tokens-per-step figure: a call's own text counts at once
 
 
 @dataclasses.dataclass
@@ -287,28 +289,22 @@ class Engine:
         widths = (1, proposer.tree_size)
         budgeted = BudgetedProposer(proposer, widths)
         plain = budgeted.without_drafting() or None  # None: `advance`'s plain decoding steps
-        budget = self._budgets.setdefault((proposer, b), SpeculationBudget(widths))
+        budget = self._budgets.setdefault((proposer, b), SpeculationBudget(widths, ENGINE_PROBE_EVERY, ENGINE_DECAY))
         limits = jnp.broadcast_to(limit, (b,))
         refill = jnp.int32(b + 1)  # never stop for finished rows before every row is done
 
         def args(width, steps=SEGMENT_STEPS):
             params = {"base": proposer_params, "budget": jnp.int32(width)}
             p = plain if width == 1 else budgeted
-            return (self.params, self.config, p, params, sampling, state, limits, eos, refill, steps)
+            return (self.params, self.config, p, params, sampling, state, limits, eos, refill, jnp.int32(steps))
 
-        if warmup:  # one step, then the other programs (plain decoding, probes) run none
-            for width, steps in (
-                (max(widths), SEGMENT_STEPS),
-                (max(widths), PROBE_STEPS),
-                (1, SEGMENT_STEPS),
-                (1, PROBE_STEPS),
-            ):
-                state = run(*args(width, steps))
+        if warmup:  # one step, then plain decoding's program runs none
+            for width in widths[::-1]:
+                state = run(*args(width))
             return state
-        done = host_array(state.done)
+        done, call_start = host_array(state.done), True
         while not done.all():
-            width = budget.choose(b)
-            probe = (b, width) in budget.cost and width != budget.best(b)
+            width, probe = budget.segment(b, call_start, max_gain=proposer.tree_size)
             steps, lengths = host_array(state.steps), host_array(state.lengths)
             programs = advance._cache_size()
             t0 = time.perf_counter()
@@ -319,6 +315,7 @@ class Engine:
             if ran.sum() and advance._cache_size() == programs:  # not a compile's time
                 gained = (host_array(state.lengths) - lengths).sum() / ran.sum()
                 budget.record(b, width, int(ran.max()), seconds, float(gained))
+                call_start = False
         return state
 
     def _reset_pools(self):

@@ -303,13 +303,12 @@ def spec_loop(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "max_steps", "mesh"), donate_argnames=("state",))
-def advance(
-    params, config, proposer, proposer_params, sampling, state, limits, eos_ids, refill, max_steps: int, mesh=None
-):
-    """Up to `max_steps` steps of every unfinished slot, stopping after the step in which the
-    `refill`-th slot (int32) finished. limits: int32[B], each slot's max_new_tokens. With a
-    `mesh` the state stays pinned to its shardings, as in the engine's loops."""
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "mesh"), donate_argnames=("state",))
+def advance(params, config, proposer, proposer_params, sampling, state, limits, eos_ids, refill, max_steps, mesh=None):
+    """Up to `max_steps` (int32, traced: every bound shares one program) steps of every
+    unfinished slot, stopping after the step in which the `refill`-th slot (int32) finished.
+    limits: int32[B], each slot's max_new_tokens. With a `mesh` the state stays pinned to its
+    shardings, as in the engine's loops."""
     pin = pinning(mesh, state.tokens.shape[0])
     done_before = jnp.sum(state.done)
 

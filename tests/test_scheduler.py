@@ -290,6 +290,29 @@ def test_the_budget_picks_the_fastest_width_and_probes_the_others():
     assert b.choose(1) == 9
 
 
+def test_the_engines_segments_probe_drafting_on_new_text():
+    """`Engine.generate`'s choice (`SpeculationBudget.segment`): unmeasured widths first as
+    short probes; on plain decoding, drafting probed again at each call's start and every
+    `probe_every`-th segment; never when its cost exceeds what any acceptance could pay; and a
+    probe on text where drafts pay switches to drafting at once (decay 0.5)."""
+    from specjax.serving.budget import SpeculationBudget
+
+    b = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
+    assert b.segment(1, True, max_gain=9) == (9, True)
+    b.record(1, 9, 8, 8 * 0.02, 1.2)  # chat: drafts rarely accepted, a step costs 2x plain's
+    assert b.segment(1, False, max_gain=9) == (1, True)
+    b.record(1, 1, 8, 8 * 0.01, 1.0)
+    plans = [b.segment(1, False, max_gain=9) for _ in range(8)]
+    assert plans.count((9, True)) == 2 and plans.count((1, False)) == 6
+    assert b.segment(1, True, max_gain=9) == (9, True)  # a new call, new text: try drafting
+    b.record(1, 9, 8, 8 * 0.02, 3.6)  # code: three tokens a step
+    assert b.segment(1, False, max_gain=9) == (9, False)
+    slow = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
+    slow.record(1, 9, 8, 8 * 0.5, 1.0)  # a step 50x plain's: no acceptance of 9 nodes pays that
+    slow.record(1, 1, 8, 8 * 0.01, 1.0)
+    assert all(slow.segment(1, start, max_gain=9) == (1, False) for start in (True, False) * 8)
+
+
 def _eagle_init(proposer, pparams, pools, tokens, table, start, feats):
     """EAGLE's init over one prompt `tokens` from position `start`, its features `feats` [W, D]
     those of positions start .. start + W - 1, pages `table`."""
@@ -452,7 +475,7 @@ def test_engine_generate_follows_its_budget(target, kind):
     # (Lookahead's window, the draft model's KV cache) drafts from it, and answers stay exact
     budget = SpeculationBudget(widths, probe_every=2)
     for w in widths:
-        budget.record(2, w, 1, 0.001 if w == 1 else 10.0, 2.0)
+        budget.record(2, w, 1, 0.001 if w == 1 else 0.0015, 1.0)
     engine._budgets[(proposer, 2)] = budget
     out = engine.generate(prompts, 80, **kw)
     assert out.token_ids == engine.generate(prompts, 80, eos_token_ids=()).token_ids

@@ -124,6 +124,26 @@ class SpeculationBudget:
             return others[(n // self.probe_every) % len(others)]
         return best
 
+    def segment(self, rows: int, call_start: bool, max_gain: float) -> tuple[int, bool]:
+        """`Engine.generate`'s next segment: (width, probe), a probe being a short one. An
+        unmeasured width first, as a probe; else the best width, with every other drafting
+        width probed at a call's start (its text is new, so is its acceptance) and every
+        `probe_every`-th segment, unless its measured cost is over `max_gain` (the most tokens
+        a step can gain) times the best's: no acceptance could pay for it then."""
+        for w in reversed(self.widths):
+            if (rows, w) not in self.cost or w not in self.gain:
+                return w, True
+        best = self.best(rows)
+        n = self.rounds[rows] = self.rounds.get(rows, 0) + 1
+        may_pay = [
+            w
+            for w in self.widths
+            if w not in (1, best) and min(self.cost[(rows, w)]) < max_gain * min(self.cost[(rows, best)])
+        ]
+        if may_pay and (call_start or n % self.probe_every == 0):
+            return may_pay[(n // self.probe_every) % len(may_pay)], True
+        return best, False
+
     def record(self, rows: int, width: int, steps: int, seconds: float, tokens_per_request: float):
         """One round's measurement: `steps` steps in `seconds`, each running request gaining
         `tokens_per_request` tokens per step on average."""

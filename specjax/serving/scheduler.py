@@ -746,7 +746,7 @@ class Scheduler:
             jnp.asarray(limits),
             jnp.asarray(self.eos, jnp.int32).reshape(-1),
             jnp.int32(self.refill),
-            self.sync_steps,
+            jnp.int32(self.sync_steps),
         )
         self._compile_twin(args)
         t0 = time.perf_counter()
