@@ -45,6 +45,9 @@ _LAYER_KEYS = {
     "wqkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "bqkv": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "wo": ("self_attn.o_proj.weight",),
+    "bo": ("self_attn.o_proj.bias",),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
     "mlp_norm": ("post_attention_layernorm.weight",),
     "w_gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "w_down": ("mlp.down_proj.weight",),
@@ -303,6 +306,9 @@ def _hf_layer_shapes(config: ModelConfig) -> dict[str, tuple]:
         "self_attn.k_proj.bias": (kv,),
         "self_attn.v_proj.bias": (kv,),
         "self_attn.o_proj.weight": (d, q),
+        "self_attn.o_proj.bias": (d,),
+        "self_attn.q_norm.weight": (config.head_dim,),
+        "self_attn.k_norm.weight": (config.head_dim,),
         "post_attention_layernorm.weight": (d,),
         "mlp.gate_proj.weight": (f, d),
         "mlp.up_proj.weight": (f, d),
@@ -361,15 +367,23 @@ def hf_layer_params(get, expect, prefix: str, config: ModelConfig, input_norm: b
     """
     shapes = _hf_layer_shapes(config)
     layer = {}
-    for key, suffixes in _LAYER_KEYS.items():
-        if (key == "bqkv" and not config.attention_bias) or (key == "attn_norm" and not input_norm):
+    for key in layer_keys(config):
+        if key == "attn_norm" and not input_norm:
             continue
+        suffixes = _LAYER_KEYS[key]
         if len(suffixes) == 1:
             layer[key] = expect(prefix + suffixes[0], get(prefix + suffixes[0]), shapes[suffixes[0]])
         else:
             parts = [expect(prefix + s, get(prefix + s), shapes[s], copy=False) for s in suffixes]
             layer[key] = concatenate_rows(parts, dtype)
     return layer
+
+
+def layer_keys(config: ModelConfig) -> list[str]:
+    """The specjax keys a decoder layer of `config` holds (fused layout), in `_LAYER_KEYS` order."""
+    optional = {"bqkv": config.attention_bias, "bo": config.o_proj_bias}
+    optional |= {"q_norm": config.qk_norm, "k_norm": config.qk_norm}
+    return [key for key in _LAYER_KEYS if optional.get(key, True)]
 
 
 def concatenate_rows(parts: list[np.ndarray], dtype=None) -> np.ndarray:
@@ -427,7 +441,7 @@ def specjax_param_pieces(
     for key in ("embed", "norm") + (() if config.tie_word_embeddings else ("lm_head",)):
         if key not in top:
             raise CheckpointError(f"specjax checkpoint lacks tensor '{key}'")
-    needed = {"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"}
+    needed = set(layer_keys(config)) - {"bqkv"}
     for i, names in enumerate(layer_names):
         missing = needed - set(names)
         if missing:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as pure functions over a pytree.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as pure functions over a pytree.
 
 Parameters are a dict with one array per weight and per layer (a list of per-layer dicts): on
 XLA:CPU, stacked [L, ...] weights under `lax.scan` ran at ~60% of the speed
@@ -113,6 +113,11 @@ def init_params(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
         }
         if config.attention_bias:
             layer["bqkv"] = w(q + 2 * kv)
+        if config.o_proj_bias:
+            layer["bo"] = w(d)
+        if config.qk_norm:
+            layer["q_norm"] = jnp.ones((config.head_dim,), dtype)
+            layer["k_norm"] = jnp.ones((config.head_dim,), dtype)
         layers.append(layer)
     params = {"embed": w(v, d), "layers": layers, "norm": jnp.ones((d,), dtype)}
     if not config.tie_word_embeddings:
@@ -174,8 +179,11 @@ def _attention_block(
         q, k, v = (linear(h, layer[w]) for w in ("wq", "wk", "wv"))
         if config.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q = apply_rope(q.reshape(b, t, config.num_heads, hd), cos, sin)
-    k = apply_rope(k.reshape(b, t, config.num_kv_heads, hd), cos, sin)
+    q, k = q.reshape(b, t, config.num_heads, hd), k.reshape(b, t, config.num_kv_heads, hd)
+    if config.qk_norm:  # Qwen3: each head's vector normalized before RoPE
+        q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, hd)
     # Pallas kernel on GPU, CPU kernel or XLA reference elsewhere (specjax.attention).
     # Without a sliding window keys_seen is the mask lengths and tree_mask imply, which the
@@ -196,10 +204,17 @@ def _attention_block(
             )
         else:
             attn = attention_unwritten(q, k, v, k_pages, v_pages, block_tables, keys_seen)
-        return x + linear(attn.reshape(b, t, -1), layer["wo"]), k, v
+        return x + _attention_output(layer, config, attn), k, v
     k_pages, v_pages = write_paged_kv(k_pages, v_pages, block_tables, slots, k, v, write_ok)
     attn = paged_attention(q, k_pages, v_pages, block_tables, lengths, tree_mask, key_mask=None if exact else keys_seen)
-    return x + linear(attn.reshape(b, t, -1), layer["wo"]), k_pages, v_pages
+    return x + _attention_output(layer, config, attn), k_pages, v_pages
+
+
+def _attention_output(layer, config: ModelConfig, attn):
+    """The output projection of the heads' outputs attn [B, T, H, D] (with Qwen3's bias)."""
+    b, t = attn.shape[:2]
+    out = linear(attn.reshape(b, t, -1), layer["wo"])
+    return out + layer["bo"] if config.o_proj_bias else out
 
 
 def write_new_kv(cache: PagedKVCache, new_kv, slots, valid) -> PagedKVCache:

@@ -9,6 +9,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -34,6 +35,10 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Qwen3: RMSNorm over each head's query and key vectors (weights [head_dim]) before RoPE,
+    # and a bias on the output projection when attention_bias is set.
+    qk_norm: bool = False
+    o_proj_bias: bool = False
     sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
@@ -86,6 +91,9 @@ class ModelConfig:
             window = cfg.get("sliding_window") if model_type == "mistral" else None
             if model_type == "qwen2" and cfg.get("use_sliding_window"):
                 window = cfg.get("sliding_window")
+            if model_type == "qwen3":
+                window = _qwen3_window(cfg)
+            bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
             return cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -99,7 +107,9 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                attention_bias=bias,
+                qk_norm=model_type == "qwen3",
+                o_proj_bias=bias and model_type == "qwen3",
                 sliding_window=None if window is None else int(window),
                 architecture=arch,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -130,8 +140,28 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        if self.model_type == "llama":
+        if self.model_type in ("llama", "qwen3"):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen3":  # a window here covers every layer (`_qwen3_window`)
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            out["max_window_layers"] = 0
         return out
+
+
+def _qwen3_window(cfg: dict[str, Any]) -> int | None:
+    """Qwen3's sliding window, applied to every layer or to none. With `use_sliding_window`,
+    transformers slides the layers `layer_types` names "sliding_attention" (by default those from
+    `max_window_layers`, 28, on); a mix of windowed and full layers is refused."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if window is None:
+        return None
+    first = int(cfg.get("max_window_layers", 28))
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    sliding = {t == "sliding_attention" for t in types}
+    if sliding == {True, False}:
+        raise ConfigError("a sliding window on some layers only is not supported (layer_types mixes them)")
+    return window if sliding == {True} else None

@@ -195,8 +195,14 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 300):
     return fast
 
 
-def make_tiny_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides):
-    """Save a tiny random transformers model (llama, qwen2 or mistral) with save_pretrained."""
+def make_tiny_hf_model(
+    out_dir: Path, kind: str = "llama", seed: int = 0, tokenizer: bool = True, perturb: float = 0.0, **overrides
+):
+    """Save a tiny random transformers model (llama, qwen2, qwen3 or mistral) with save_pretrained.
+
+    perturb: the scale of Gaussian noise added to every tensor (norms and biases too, which
+    transformers initialises to ones and zeros) before saving. Qwen3's head_dim defaults to 32,
+    not hidden / heads (16)."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -205,6 +211,8 @@ def make_tiny_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, tokeni
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -220,13 +228,21 @@ def make_tiny_hf_model(out_dir: Path, kind: str = "llama", seed: int = 0, tokeni
         eos_token_id=2,
         pad_token_id=0,
     )
+    if kind == "qwen3":
+        common["head_dim"] = 32
     common.update(overrides)
     cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
     }[kind]
     model = cls[1](cls[0](**common)).eval()
+    if perturb:
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(perturb * torch.randn(p.shape, generator=g))
     model.save_pretrained(str(out_dir))
     if tokenizer:
         build_tokenizer(out_dir)

@@ -20,18 +20,9 @@ KINDS = {
     "llama": dict(tie_word_embeddings=True),
     "qwen2": dict(tie_word_embeddings=False),  # q/k/v projections carry biases
     "mistral": dict(tie_word_embeddings=False),
+    # per-head q/k norms, head_dim 32 != hidden / heads, q/k/v and output biases
+    "qwen3": dict(tie_word_embeddings=True, attention_bias=True),
 }
-
-
-def _perturbed_model(d: Path, kind: str, seed: int):
-    """A tiny HF model whose every tensor (norms and biases too) is random, saved to d."""
-    model = make_tiny_hf_model(d, kind, seed=seed, **KINDS[kind])
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(str(d))
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +31,8 @@ def hf_models(tmp_path_factory):
     out = {}
     for i, kind in enumerate(KINDS):
         d = tmp_path_factory.mktemp(f"hf_{kind}")
-        out[kind] = (d, _perturbed_model(d, kind, seed=i))
+        # every tensor random (norms and biases too)
+        out[kind] = (d, make_tiny_hf_model(d, kind, seed=i, perturb=0.05, **KINDS[kind]))
     return out
 
 
@@ -76,13 +68,15 @@ def test_round_trip_through_specjax(kind, hf_models, tmp_path, capsys):
     assert (a / "specjax.json").exists()
     assert json.loads((a / "specjax.json").read_text())["format"] == "specjax"
     cfg = torch_model.config
-    d, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    d, hd = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     with safe_open(str(a / "model.safetensors"), "np") as f:
         keys = set(f.keys())
         # specjax layout: [out, in], q/k/v fused along the output axis.
-        assert f.get_tensor("layers.0.wqkv").shape == (d + 2 * kv, d)
+        assert f.get_tensor("layers.0.wqkv").shape == (q + 2 * kv, d)
     assert ("lm_head" in keys) == (not KINDS[kind]["tie_word_embeddings"])
-    assert ("layers.1.bqkv" in keys) == (kind == "qwen2")
+    assert ("layers.1.bqkv" in keys) == (kind in ("qwen2", "qwen3"))
+    assert ("layers.1.bo" in keys) == ("layers.1.q_norm" in keys) == ("layers.1.k_norm" in keys) == (kind == "qwen3")
 
     assert main(["convert", str(a), "--out", str(b)]) == 0  # specjax -> HF by default
     assert not (b / "specjax.json").exists()
@@ -102,10 +96,12 @@ def test_round_trip_through_specjax(kind, hf_models, tmp_path, capsys):
         got = back(ids).logits
     assert got.dtype == torch.float32
     assert rel_err(want, got) < 1e-5
-    if kind == "qwen2":  # the biases made it through (and matter)
-        bias = back.model.layers[0].self_attn.q_proj.bias
-        assert torch.equal(bias, torch_model.model.layers[0].self_attn.q_proj.bias)
-        assert bias.abs().max() > 0
+    if kind in ("qwen2", "qwen3"):  # the biases (and Qwen3's q/k norms) made it through
+        attn, back_attn = torch_model.model.layers[0].self_attn, back.model.layers[0].self_attn
+        names = ["q_proj.bias"] + (["o_proj.bias", "q_norm.weight", "k_norm.weight"] if kind == "qwen3" else [])
+        for name in names:
+            want = attn.get_parameter(name)
+            assert torch.equal(back_attn.get_parameter(name), want) and want.std() > 0  # not ones or zeros
 
     # The round trip also loads in tokenizer form.
     from transformers import AutoTokenizer
@@ -132,7 +128,7 @@ def test_convert_explicit_to_and_same_dir(hf_models, tmp_path, capsys):
 
 
 def test_specjax_checkpoint_loads_identically(hf_models, tmp_path):
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "qwen3"):
         src, _ = hf_models[kind]
         out = tmp_path / kind
         assert main(["convert", str(src), "--out", str(out)]) == 0

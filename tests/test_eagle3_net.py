@@ -294,14 +294,15 @@ def test_own_embedding_and_safetensors(tmp_path):
     assert rel_err(got[0], want) < 1e-4
 
 
-def test_init_save_load(tmp_path):
-    target = ModelConfig(
-        V, D, F, 12, H, KVH, HD, rope_theta=THETA, architecture="Qwen2ForCausalLM", attention_bias=True
-    )
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_init_save_load(tmp_path, arch):
+    qwen3 = dict(qk_norm=True, o_proj_bias=True) if arch == "Qwen3ForCausalLM" else {}
+    target = ModelConfig(V, D, F, 12, H, KVH, HD, rope_theta=THETA, architecture=arch, attention_bias=True, **qwen3)
     counts = np.zeros(V)
     counts[[7, 300, 5, 100]] = [10, 9, 8, 7]
     config, params = init_eagle3_params(jax.random.PRNGKey(0), target, 4, token_counts=counts)
     assert config.num_layers == 1 and not config.attention_bias and config.hidden_size == D
+    assert not config.qk_norm and not config.o_proj_bias  # a Llama layer, whatever the target
     assert np.array_equal(np.asarray(draft_to_target(params, jnp.arange(4))), [5, 7, 100, 300])
     _, first = init_eagle3_params(jax.random.PRNGKey(0), target, 4)
     assert np.array_equal(np.asarray(draft_to_target(first, jnp.arange(4))), [0, 1, 2, 3])

@@ -24,6 +24,21 @@ CASES = {
     "qwen2-bias": ("qwen2", dict()),
     "mistral-window": ("mistral", dict(sliding_window=8)),
     "llama-mha": ("llama", dict(num_key_value_heads=4)),
+    # Qwen3: per-head q/k norms, head_dim 32 != hidden / heads; every tensor perturbed so the
+    # norms' weights and the biases are not transformers' ones and zeros.
+    "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False, perturb=0.05)),
+    "qwen3-tied-bias-window": (
+        "qwen3",
+        dict(
+            tie_word_embeddings=True,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            perturb=0.05,
+        ),
+    ),
 }
 T = 24
 
@@ -107,3 +122,28 @@ def test_logits_at_picks_positions(case):
     out = forward(params, config, jnp.asarray(ids), pos, cache, causal_mask(2, T), logits_at=at)
     want = np.stack([ref.logits[0, [T - 1, 3]].numpy(), ref.logits[1, [0, 7]].numpy()])
     assert rel_err(np.asarray(out.logits), want) < 1e-4
+
+
+def test_qwen3_config_flags_and_window():
+    """Qwen3's flags come from config.json; its window is taken only when it covers every layer."""
+    from specjax.model_config import ConfigError, ModelConfig
+
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128}
+    base |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+    config = ModelConfig.from_hf(base)
+    assert config.qk_norm and not config.attention_bias and not config.o_proj_bias
+    assert config.head_dim == 32 and config.sliding_window is None
+    biased = ModelConfig.from_hf({**base, "attention_bias": True})
+    assert biased.attention_bias and biased.o_proj_bias
+    assert not ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"]}).qk_norm
+    window = {"use_sliding_window": True, "sliding_window": 8}
+    assert ModelConfig.from_hf({**base, **window}).sliding_window is None  # max_window_layers 28 > 2 layers
+    windowed = ModelConfig.from_hf({**base, **window, "max_window_layers": 0})
+    assert windowed.sliding_window == 8
+    assert ModelConfig.from_hf({**base, "sliding_window": 8, "max_window_layers": 0}).sliding_window is None
+    with pytest.raises(ConfigError, match="some layers"):
+        ModelConfig.from_hf({**base, **window, "max_window_layers": 1})
+    with pytest.raises(ConfigError, match="some layers"):
+        ModelConfig.from_hf({**base, **window, "layer_types": ["sliding_attention", "full_attention"]})
+    for c in (config, biased, windowed):  # to_hf writes what from_hf reads back
+        assert ModelConfig.from_hf(c.to_hf()) == c

@@ -148,6 +148,8 @@ def draft_config(target_config: ModelConfig) -> ModelConfig:
         target_config,
         num_layers=1,
         attention_bias=False,
+        qk_norm=False,
+        o_proj_bias=False,
         tie_word_embeddings=False,
         sliding_window=None,
         architecture="LlamaForCausalLM",
