@@ -1,9 +1,10 @@
-"""Convert a Llama-architecture GGUF file into a Hugging Face-format model directory.
+"""Convert a Llama- or Qwen3-architecture GGUF file into a Hugging Face-format model directory.
 
-The output is a plain float32 `LlamaForCausalLM` checkpoint (config.json, model.safetensors,
-tokenizer files, generation_config.json) that both transformers and specjax's own loader read
-without knowing anything about GGUF. Quantized tensors (Q4_1, Q8_0, ...) are dequantized with
-the `gguf` package, so the result holds exactly the values llama.cpp would compute with.
+The output is a plain float32 `LlamaForCausalLM` or `Qwen3ForCausalLM` checkpoint (config.json,
+model.safetensors, tokenizer files, generation_config.json) that both transformers and specjax's
+own loader read without knowing anything about GGUF. Quantized tensors (Q4_1, Q8_0, ...) are
+dequantized with the `gguf` package, so the result holds exactly the values llama.cpp would
+compute with.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp's `general.architecture` -> (HF architecture, model_type).
+_HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+SUPPORTED_ARCHITECTURES = tuple(_HF_ARCHITECTURES)
 
 # GGUF tensor name (after the `blk.{i}.` prefix for per-layer ones) -> HF name.
 _GLOBAL_TENSORS = {
@@ -36,13 +39,19 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Per-architecture layer tensors beyond those (Qwen3's per-head q/k norms).
+_EXTRA_LAYER_TENSORS = {
+    "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
+}
+# Architectures whose q/k rows llama.cpp permutes (its LlamaModel; Qwen3's are stored as in HF).
+_PERMUTED_QK = ("llama",)
 # Tensors llama.cpp writes that have no HF counterpart (precomputed Llama-3 rope frequencies;
 # HF recomputes them from rope_scaling).
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 
 
 def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert the Llama GGUF at `gguf_path` into a float32 HF model directory `out_dir`.
+    """Convert the Llama or Qwen3 GGUF at `gguf_path` into a float32 HF model directory `out_dir`.
 
     The directory is built in a temporary sibling and renamed into place at the end, so an
     interrupted run never leaves a directory that looks complete. Raises `ValueError` with a
@@ -54,7 +63,7 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     reader = _open_reader(gguf_path)
     arch = _architecture(reader, gguf_path)
     config = _hf_config(reader, arch, gguf_path)
-    tensors = _hf_tensors(reader, config, gguf_path)
+    tensors = _hf_tensors(reader, arch, config, gguf_path)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +154,8 @@ def _required(reader, key: str, path: Path) -> Any:
 
 
 def _hf_config(reader, arch: str, path: Path) -> dict:
-    """HF `LlamaConfig` fields from the GGUF metadata (vocab/tie are settled from the tensors)."""
+    """HF `LlamaConfig` / `Qwen3Config` fields from the GGUF metadata (vocab/tie are settled from
+    the tensors)."""
     hidden = int(_required(reader, f"{arch}.embedding_length", path))
     n_heads = int(_required(reader, f"{arch}.attention.head_count", path))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
@@ -157,8 +167,8 @@ def _hf_config(reader, arch: str, path: Path) -> dict:
     rope_scaling = _rope_scaling(reader, arch)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_HF_ARCHITECTURES[arch][0]],
+        "model_type": _HF_ARCHITECTURES[arch][1],
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
         "hidden_size": hidden,
         "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length", path)),
@@ -213,7 +223,12 @@ def _generation_config(config: dict) -> dict:
 # --------------------------------------------------------------------------- tensors
 
 
-def _hf_tensors(reader, config: dict, path: Path) -> dict[str, np.ndarray]:
+def _layer_tensors(arch: str) -> dict[str, str]:
+    """GGUF layer tensor name (after `blk.{i}.`) -> HF name under model.layers.{i}., for `arch`."""
+    return {**_LAYER_TENSORS, **_EXTRA_LAYER_TENSORS.get(arch, {})}
+
+
+def _hf_tensors(reader, arch: str, config: dict, path: Path) -> dict[str, np.ndarray]:
     """All GGUF tensors dequantized to float32, in HF layout and under HF names.
 
     Also fixes `config["vocab_size"]` from the embedding's row count, the authoritative value.
@@ -223,34 +238,35 @@ def _hf_tensors(reader, config: dict, path: Path) -> dict[str, np.ndarray]:
     for t in reader.tensors:
         if t.name in _IGNORED_TENSORS:
             continue
-        hf_name = _hf_name(t.name, n_layers, path)
+        hf_name = _hf_name(t.name, arch, n_layers, path)
         w = _dequantize(t, path)
-        if hf_name.endswith("q_proj.weight"):
+        if arch in _PERMUTED_QK and hf_name.endswith("q_proj.weight"):
             w = _reverse_permute(w, config["num_attention_heads"])
-        elif hf_name.endswith("k_proj.weight"):
+        elif arch in _PERMUTED_QK and hf_name.endswith("k_proj.weight"):
             w = _reverse_permute(w, config["num_key_value_heads"])
         out[hf_name] = w
-    _check_complete(out, n_layers, path)
+    _check_complete(out, arch, n_layers, path)
     config["vocab_size"] = int(out["model.embed_tokens.weight"].shape[0])
     return out
 
 
-def _hf_name(name: str, n_layers: int, path: Path) -> str:
+def _hf_name(name: str, arch: str, n_layers: int, path: Path) -> str:
     """HF parameter name for GGUF tensor `name`; unknown tensors are an error, not dropped."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
+    layer_tensors = _layer_tensors(arch)
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
         layer = int(parts[1])
         if layer < n_layers:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[parts[2]]}"
-    raise ValueError(f"unexpected tensor {name!r} for a Llama GGUF: {path}")
+            return f"model.layers.{layer}.{layer_tensors[parts[2]]}"
+    raise ValueError(f"unexpected tensor {name!r} for a {arch} GGUF: {path}")
 
 
-def _check_complete(tensors: dict, n_layers: int, path: Path) -> None:
-    """Every tensor a LlamaForCausalLM needs must be present."""
+def _check_complete(tensors: dict, arch: str, n_layers: int, path: Path) -> None:
+    """Every tensor the HF model of `arch` needs must be present."""
     need = ["model.embed_tokens.weight", "model.norm.weight"]
-    need += [f"model.layers.{i}.{v}" for i in range(n_layers) for v in _LAYER_TENSORS.values()]
+    need += [f"model.layers.{i}.{v}" for i in range(n_layers) for v in _layer_tensors(arch).values()]
     missing = [n for n in need if n not in tensors]
     if missing:
         raise ValueError(f"GGUF is missing {len(missing)} tensor(s), e.g. {missing[0]!r}: {path}")

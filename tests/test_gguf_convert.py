@@ -1,4 +1,5 @@
-"""GGUF -> HF conversion: a tiny hand-built GGUF, malformed files, and (slow) the embedded SmolLM2."""
+"""GGUF -> HF conversion: tiny hand-built GGUFs (Llama, Qwen3), malformed files, and the embedded
+SmolLM2."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from specjax.convert.gguf import gguf_to_hf  # noqa: E402
 
 N_LAYERS, HIDDEN, N_HEADS, N_KV, FFN, CTX = 2, 64, 4, 2, 128, 256
 HEAD_DIM = HIDDEN // N_HEADS
+QWEN3_HEAD_DIM = 32  # Qwen3's head_dim need not be HIDDEN // N_HEADS
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
 TEMPLATE = (
@@ -34,7 +36,8 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_weights(vocab: int, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+def _hf_weights(vocab: int, tied: bool, seed: int = 0, head_dim: int = HEAD_DIM, qk_norm: bool = False):
+    """HF tensors of a tiny random model (Qwen3's per-head q/k norms with qk_norm)."""
     rng = np.random.default_rng(seed)
 
     def rnd(*shape):
@@ -47,10 +50,13 @@ def _hf_weights(vocab: int, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = 1 + rnd(HIDDEN)
         w[p + "post_attention_layernorm.weight"] = 1 + rnd(HIDDEN)
-        w[p + "self_attn.q_proj.weight"] = rnd(N_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.k_proj.weight"] = rnd(N_KV * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.v_proj.weight"] = rnd(N_KV * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.o_proj.weight"] = rnd(HIDDEN, N_HEADS * HEAD_DIM)
+        w[p + "self_attn.q_proj.weight"] = rnd(N_HEADS * head_dim, HIDDEN)
+        w[p + "self_attn.k_proj.weight"] = rnd(N_KV * head_dim, HIDDEN)
+        w[p + "self_attn.v_proj.weight"] = rnd(N_KV * head_dim, HIDDEN)
+        w[p + "self_attn.o_proj.weight"] = rnd(HIDDEN, N_HEADS * head_dim)
+        if qk_norm:
+            w[p + "self_attn.q_norm.weight"] = 1 + rnd(head_dim)
+            w[p + "self_attn.k_norm.weight"] = 1 + rnd(head_dim)
         w[p + "mlp.gate_proj.weight"] = rnd(FFN, HIDDEN)
         w[p + "mlp.up_proj.weight"] = rnd(FFN, HIDDEN)
         w[p + "mlp.down_proj.weight"] = rnd(HIDDEN, FFN)
@@ -68,6 +74,8 @@ def _gguf_name(hf: str) -> str:
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
@@ -80,9 +88,14 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, *, tied: bool = True, tokenizer: bool = True, arch: str = "llama"):
-    """A 2-layer Llama GGUF in F32, q/k permuted as llama.cpp does; returns the HF weights."""
+    """A 2-layer GGUF in F32 as llama.cpp writes it; returns the HF weights and the tokens.
+
+    arch "llama": q/k rows permuted (llama.cpp's LlamaModel); "qwen3": stored as in HF, with
+    per-head q/k norms and head_dim (key_length) QWEN3_HEAD_DIM.
+    """
     tokens = SPECIALS + _byte_tokens() + [m.replace(" ", "") for m in MERGES]
-    weights = _hf_weights(len(tokens), tied)
+    head_dim = QWEN3_HEAD_DIM if arch == "qwen3" else HEAD_DIM
+    weights = _hf_weights(len(tokens), tied, head_dim=head_dim, qk_norm=arch == "qwen3")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test")
     w.add_block_count(N_LAYERS)
@@ -93,7 +106,10 @@ def write_tiny_gguf(path: Path, *, tied: bool = True, tokenizer: bool = True, ar
     w.add_head_count_kv(N_KV)
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(len(tokens))
     if tokenizer:
         w.add_tokenizer_model("gpt2")
@@ -108,9 +124,9 @@ def write_tiny_gguf(path: Path, *, tied: bool = True, tokenizer: bool = True, ar
         w.add_add_bos_token(False)
         w.add_chat_template(TEMPLATE)
     for name, t in weights.items():
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             t = _llama_cpp_permute(t, N_HEADS)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             t = _llama_cpp_permute(t, N_KV)
         w.add_tensor(_gguf_name(name), np.ascontiguousarray(t))
     w.write_header_to_file()
@@ -124,18 +140,18 @@ def transformers_gguf_state_dict(gguf_path: Path, hf_dir: Path) -> dict:
     """State dict transformers itself builds from `gguf_path` (its own dequantize + un-permute).
 
     `from_pretrained(..., gguf_file=)` needs `accelerate`; without it, call the loader that
-    `from_pretrained` uses for Llama GGUFs directly, on a model built from our config.
+    `from_pretrained` uses for GGUFs directly, on a model built from our config.
     """
     import importlib.util
 
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if importlib.util.find_spec("accelerate") is not None:
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         return model.state_dict()
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(hf_dir))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
     return load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
 
 
@@ -222,6 +238,44 @@ def test_untied_without_tokenizer(tmp_path):
     assert not (out / "tokenizer.json").exists()
 
 
+def test_qwen3_gguf_matches_transformers(tmp_path):
+    """A Qwen3 GGUF (q/k rows not permuted, per-head q/k norms, head_dim != hidden / heads)
+    converts to the tensors transformers' own GGUF loader reads, and specjax's logits over the
+    result equal transformers' Qwen3ForCausalLM."""
+    import jax.numpy as jnp
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from specjax import PagedKVCache, causal_mask, forward
+    from specjax.cache import init_pages
+    from specjax.checkpoint import load_checkpoint
+
+    weights, _ = write_tiny_gguf(tmp_path / "q.gguf", tied=False, arch="qwen3")
+    out = gguf_to_hf(tmp_path / "q.gguf", tmp_path / "hf")
+    got = _load_safetensors(out)
+    assert set(got) == set(weights)
+    for k, v in weights.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert cfg["head_dim"] == QWEN3_HEAD_DIM and cfg["tie_word_embeddings"] is False
+    ref_sd = transformers_gguf_state_dict(tmp_path / "q.gguf", out)
+    assert set(ref_sd) == set(weights)
+    for k, v in weights.items():
+        np.testing.assert_array_equal(ref_sd[k].float().numpy(), v, err_msg=k)
+
+    params, config, _ = load_checkpoint(out)
+    assert config.qk_norm and config.head_dim == QWEN3_HEAD_DIM
+    ids = np.array([[1, 40, 50, 60, 265, 2, 7, 99]])
+    k, v = init_pages(config, 4, 4)
+    cache = PagedKVCache(k, v, jnp.arange(4, dtype=jnp.int32)[None], jnp.zeros(1, jnp.int32))
+    pos = jnp.arange(ids.shape[1])[None]
+    ours = np.asarray(forward(params, config, jnp.asarray(ids), pos, cache, causal_mask(1, ids.shape[1])).logits)
+    with torch.no_grad():
+        want = Qwen3ForCausalLM.from_pretrained(out).eval()(torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - want).max() / np.abs(want).max() < 1e-4
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         gguf_to_hf(tmp_path / "nope.gguf", tmp_path / "hf")
@@ -257,7 +311,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' \(supported: llama\)"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen3\)"):
         gguf_to_hf(p, tmp_path / "hf")
 
 
