@@ -48,6 +48,28 @@ def test_greedy_equals_transformers_generate(tiny):
     assert out.steps == [20, 20, 20]
 
 
+def test_qwen3_greedy_and_speculative_equal_transformers_generate(tmp_path):
+    """Qwen3 (per-head q/k norms, head_dim != hidden / heads, random norm weights) loaded as the
+    engine runs it (CPU-packed weights): vanilla greedy equals transformers' greedy generate, and
+    so does a self-draft's (draft passes plus chain verification over the target)."""
+    from conftest import make_tiny_hf_model
+
+    from specjax.proposers import DraftModelProposer, self_draft_params
+    from specjax.proposers.draft_model import self_draft_config
+
+    torch_model = make_tiny_hf_model(tmp_path, "qwen3", tokenizer=False, perturb=0.05, tie_word_embeddings=True)
+    model = load_model(str(tmp_path))
+    assert model.config.qk_norm
+    want = [hf_greedy(torch_model, p, 12) for p in PROMPTS]
+    eng = Engine(model.params, model.config, num_pages=64, page_size=4)
+    assert eng.generate(PROMPTS, max_new_tokens=12, eos_token_ids=()).token_ids == want
+    proposer = DraftModelProposer(self_draft_config(model.config, 1), max_draft_len=3)
+    out = eng.generate(
+        PROMPTS, 12, eos_token_ids=(), proposer=proposer, proposer_params=self_draft_params(model.params, 1)
+    )
+    assert out.token_ids == want
+
+
 def test_batch_equals_single(tiny):
     model, _ = tiny
     eng = Engine(model.params, model.config, num_pages=64, page_size=4)
