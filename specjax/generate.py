@@ -182,8 +182,10 @@ class Engine:
         With a proposer, every `SEGMENT_STEPS` steps the engine chooses whether the next steps
         verify the whole draft tree or run plain decoding, from the cost and the tokens per step
         it measured for this batch size (`specjax.serving.budget`; kept across calls), so
-        drafting that does not pay on this device stops costing time.
-        fixed_speculation=True verifies whole trees every step, in one loop on the device.
+        drafting that does not pay on this device stops costing time. Those choices follow
+        measured times, so a seeded sampled answer is drawn from the same distribution on every
+        call but is the same tokens only with fixed_speculation=True, which verifies whole trees
+        every step, in one loop on the device (so do tests that count target passes).
         """
         prompts = [list(map(int, p)) for p in prompts]
         self._check(prompts, max_new_tokens)

@@ -195,6 +195,7 @@ def test_oracle_heads_accept_whole_paths(target):
         eos_token_ids=(),
         proposer=proposer,
         proposer_params={"heads": heads, "lm_head": lm_head_weight(loop)},
+        fixed_speculation=True,
     )
     assert spec.token_ids == vanilla.token_ids
     assert spec.steps[0] == 4  # 5 tokens per step: root + 4 accepted drafts

@@ -65,7 +65,7 @@ SCRIPT = textwrap.dedent("""
         res = {}
         for name, (proposer, pparams) in METHODS.items():
             o = eng.generate(PROMPTS, NEW, eos_token_ids=(), proposer=proposer,
-                             proposer_params=pparams)
+                             proposer_params=pparams, fixed_speculation=True)
             res[name] = {"tokens": o.token_ids, "steps": o.steps}
         done = {r.index: r for r in eng.generate_continuous(PROMPTS, NEW, slots=2, refill=1,
                                                             eos_token_ids=())}
@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent("""
 
     def sampled(eng):
         return {name: eng.generate(PROMPTS, NEW, sampling=s, seeds=[7, 8, 9], eos_token_ids=(),
-                                   proposer=p, proposer_params=pp).token_ids
+                                   proposer=p, proposer_params=pp, fixed_speculation=True).token_ids
                 for name, (p, pp, s) in SAMPLED.items()}
 
     eng, out["one_device"] = run(None)

@@ -145,12 +145,12 @@ def _check_pld_counts(out, prompts, vanilla_ids, k, max_ngram):
 def test_prompt_lookup_greedy_equals_vanilla(engine, vanilla_all):
     k = 3
     pld = PromptLookupProposer(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
-    out = engine.generate(PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=pld)
+    out = engine.generate(PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=pld, fixed_speculation=True)
     _check_equal(out, vanilla_all[:3])
     # The drafts were the Prompt-Lookup drafts: per-step acceptance counts as simulated.
     _check_pld_counts(out, PROMPTS, vanilla_all, k, 3)
     # Batch 1, on a prompt after which the target loops: Prompt-Lookup must accept long runs.
-    rep = engine.generate([REPETITIVE], N_NEW, eos_token_ids=NO_EOS, proposer=pld)
+    rep = engine.generate([REPETITIVE], N_NEW, eos_token_ids=NO_EOS, proposer=pld, fixed_speculation=True)
     _check_equal(rep, vanilla_all[3:])
     _check_pld_counts(rep, [REPETITIVE], vanilla_all[3:], k, 3)
     assert rep.mean_accepted[0] > 2.0, rep.mean_accepted
@@ -177,7 +177,9 @@ def test_draft_model_greedy_equals_vanilla(engine, target, vanilla, kind):
         prompts, want = PROMPTS[2:], vanilla[2:]
     else:
         prompts, want = PROMPTS, vanilla
-    out = engine.generate(prompts, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=params)
+    out = engine.generate(
+        prompts, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=params, fixed_speculation=True
+    )
     _check_equal(out, want)
     # The drafts were the draft model's greedy continuations (its cache stayed in sync): a step
     # at length L accepts as many drafts as the draft's argmax agrees with the target's output
@@ -217,7 +219,9 @@ def test_full_self_draft_accepts_everything(engine, target, vanilla):
     """A draft identical to the target is always right: K + 1 tokens per pass."""
     proposer, params = _draft("full", target)
     k = proposer.max_draft_len
-    out = engine.generate(PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=params)
+    out = engine.generate(
+        PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=params, fixed_speculation=True
+    )
     _check_equal(out, vanilla)
     assert out.steps == [math.ceil(N_NEW / (k + 1))] * 3
     assert out.acceptance_rates() == [1.0] * k
@@ -334,7 +338,12 @@ def test_adversarial_drafts_keep_output(engine, vanilla, mode):
     proposer = OracleProposer(tree=mode == "tree")
     k = proposer.max_draft_len
     out = engine.generate(
-        PROMPTS, N_NEW, eos_token_ids=NO_EOS, proposer=proposer, proposer_params=_oracle_params(vanilla, mode)
+        PROMPTS,
+        N_NEW,
+        eos_token_ids=NO_EOS,
+        proposer=proposer,
+        proposer_params=_oracle_params(vanilla, mode),
+        fixed_speculation=True,
     )
     _check_equal(out, vanilla)
     hist = np.asarray(out.accepted_hist)
