@@ -292,9 +292,10 @@ def test_the_budget_picks_the_fastest_width_and_probes_the_others():
 
 def test_the_engines_segments_probe_drafting_on_new_text():
     """`Engine.generate`'s choice (`SpeculationBudget.segment`): unmeasured widths first as
-    short probes; on plain decoding, drafting probed again at each call's start and every
-    `probe_every`-th segment; never when its cost exceeds what any acceptance could pay; and a
-    probe on text where drafts pay switches to drafting at once (decay 0.5)."""
+    short probes; on plain decoding, drafting probed again every `probe_every`-th segment, and
+    at each call's start once it has been the fastest (a drafter that never paid is not tried on
+    every call); never when its cost exceeds what any acceptance could pay; and a probe on text
+    where drafts pay switches to drafting at once (decay 0.5)."""
     from specjax.serving.budget import SpeculationBudget
 
     b = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
@@ -302,11 +303,13 @@ def test_the_engines_segments_probe_drafting_on_new_text():
     b.record(1, 9, 8, 8 * 0.02, 1.2)  # chat: drafts rarely accepted, a step costs 2x plain's
     assert b.segment(1, False, max_gain=9) == (1, True)
     b.record(1, 1, 8, 8 * 0.01, 1.0)
-    plans = [b.segment(1, False, max_gain=9) for _ in range(8)]
-    assert plans.count((9, True)) == 2 and plans.count((1, False)) == 6
-    assert b.segment(1, True, max_gain=9) == (9, True)  # a new call, new text: try drafting
-    b.record(1, 9, 8, 8 * 0.02, 3.6)  # code: three tokens a step
+    plans = [b.segment(1, n % 3 == 0, max_gain=9) for n in range(8)]  # some calls start anew
+    assert plans.count((9, True)) == 2 and plans.count((1, False)) == 6  # every 4th segment only
+    b.record(1, 9, 8, 8 * 0.02, 3.6)  # a periodic probe meets code: three tokens a step
     assert b.segment(1, False, max_gain=9) == (9, False)
+    b.record(1, 9, 64, 64 * 0.02, 1.0)  # chat again: plain decoding is faster now
+    assert b.segment(1, False, max_gain=9) == (1, False)
+    assert b.segment(1, True, max_gain=9) == (9, True)  # but drafting once paid: a new call tries it
     slow = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
     slow.record(1, 9, 8, 8 * 0.5, 1.0)  # a step 50x plain's: no acceptance of 9 nodes pays that
     slow.record(1, 1, 8, 8 * 0.01, 1.0)

@@ -103,6 +103,7 @@ class SpeculationBudget:
         # that compiled a new shape, or shared the CPU, reads high)
         self.cost: dict[tuple[int, int], collections.deque] = {}
         self.gain: dict[int, float] = {1: 1.0}  # width -> new tokens per request per step
+        self.peak: dict[int, float] = {1: 1.0}  # width -> the most of any one round
         self.rounds: dict[int, int] = {}
 
     def best(self, rows: int) -> int | None:
@@ -127,21 +128,23 @@ class SpeculationBudget:
     def segment(self, rows: int, call_start: bool, max_gain: float) -> tuple[int, bool]:
         """`Engine.generate`'s next segment: (width, probe), a probe being a short one. An
         unmeasured width first, as a probe; else the best width, with every other drafting
-        width probed at a call's start (its text is new, so is its acceptance) and every
-        `probe_every`-th segment, unless its measured cost is over `max_gain` (the most tokens
-        a step can gain) times the best's: no acceptance could pay for it then."""
+        width probed every `probe_every`-th segment unless its measured cost is over
+        `max_gain` (the most tokens a step can gain) times the best's (no acceptance could pay
+        for it then), and at a call's start (new text, new acceptance) if it was once the
+        fastest (its best round's tokens per second beat the best width's now): a drafter that
+        never paid on this device is not probed on every call."""
         for w in reversed(self.widths):
             if (rows, w) not in self.cost or w not in self.gain:
                 return w, True
         best = self.best(rows)
         n = self.rounds[rows] = self.rounds.get(rows, 0) + 1
-        may_pay = [
-            w
-            for w in self.widths
-            if w not in (1, best) and min(self.cost[(rows, w)]) < max_gain * min(self.cost[(rows, best)])
-        ]
-        if may_pay and (call_start or n % self.probe_every == 0):
+        cost = {w: min(self.cost[(rows, w)]) for w in self.widths}
+        may_pay = [w for w in self.widths if w not in (1, best) and cost[w] < max_gain * cost[best]]
+        if may_pay and n % self.probe_every == 0:
             return may_pay[(n // self.probe_every) % len(may_pay)], True
+        once_best = [w for w in may_pay if self.peak[w] / cost[w] > self.gain[best] / cost[best]]
+        if once_best and call_start:
+            return once_best[n % len(once_best)], True
         return best, False
 
     def record(self, rows: int, width: int, steps: int, seconds: float, tokens_per_request: float):
@@ -151,5 +154,6 @@ class SpeculationBudget:
             return
         self.cost.setdefault((rows, width), collections.deque(maxlen=8)).append(seconds / steps)
         if width > 1:
+            self.peak[width] = max(self.peak.get(width, 0.0), tokens_per_request)
             old = self.gain.get(width, tokens_per_request)
             self.gain[width] = self.decay * old + (1 - self.decay) * tokens_per_request
