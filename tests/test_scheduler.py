@@ -292,10 +292,11 @@ def test_the_budget_picks_the_fastest_width_and_probes_the_others():
 
 def test_the_engines_segments_probe_drafting_on_new_text():
     """`Engine.generate`'s choice (`SpeculationBudget.segment`): unmeasured widths first as
-    short probes; on plain decoding, drafting probed again every `probe_every`-th segment, and
-    at each call's start once it has been the fastest (a drafter that never paid is not tried on
-    every call); never when its cost exceeds what any acceptance could pay; and a probe on text
-    where drafts pay switches to drafting at once (decay 0.5)."""
+    short probes; on plain decoding, drafting probed again after `probe_every` segments, then
+    twice as long each time it loses, and at each call's start once it has been the fastest (a
+    drafter that never paid is not tried on every call); never when its cost exceeds what any
+    acceptance could pay; and a probe on text where drafts pay switches to drafting at once
+    (decay 0.5)."""
     from specjax.serving.budget import SpeculationBudget
 
     b = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
@@ -303,13 +304,18 @@ def test_the_engines_segments_probe_drafting_on_new_text():
     b.record(1, 9, 8, 8 * 0.02, 1.2)  # chat: drafts rarely accepted, a step costs 2x plain's
     assert b.segment(1, False, max_gain=9) == (1, True)
     b.record(1, 1, 8, 8 * 0.01, 1.0)
-    plans = [b.segment(1, n % 3 == 0, max_gain=9) for n in range(8)]  # some calls start anew
-    assert plans.count((9, True)) == 2 and plans.count((1, False)) == 6  # every 4th segment only
+    plans = [b.segment(1, n % 3 == 0, max_gain=9) for n in range(1, 30)]  # some calls start anew
+    # probes after 4 segments, then 8, then 16 as drafting keeps losing (call starts or not)
+    assert [n for n, plan in enumerate(plans, 1) if plan == (9, True)] == [5, 13, 29]
+    assert plans.count((1, False)) == 26
     b.record(1, 9, 8, 8 * 0.02, 3.6)  # a periodic probe meets code: three tokens a step
     assert b.segment(1, False, max_gain=9) == (9, False)
     b.record(1, 9, 64, 64 * 0.02, 1.0)  # chat again: plain decoding is faster now
     assert b.segment(1, False, max_gain=9) == (1, False)
-    assert b.segment(1, True, max_gain=9) == (9, True)  # but drafting once paid: a new call tries it
+    # but drafting once paid: a new call tries it, then the 2nd and the 4th call after while it
+    # loses (call 4: the periodic probe, 4 segments after drafting stopped being the best)
+    calls = [b.segment(1, True, max_gain=9) for _ in range(7)]
+    assert [c for c, plan in enumerate(calls, 1) if plan == (9, True)] == [1, 3, 4, 7]
     slow = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
     slow.record(1, 9, 8, 8 * 0.5, 1.0)  # a step 50x plain's: no acceptance of 9 nodes pays that
     slow.record(1, 1, 8, 8 * 0.01, 1.0)

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from specjax.draft_tree import DraftTree
 from specjax.spec_decode import ProposerWrapper
 
+MAX_PROBE_INTERVAL = 64  # segments between two probes of a width that keeps losing, at most
+
 
 @dataclasses.dataclass(frozen=True)
 class BudgetedProposer(ProposerWrapper):
@@ -105,6 +107,10 @@ class SpeculationBudget:
         self.gain: dict[int, float] = {1: 1.0}  # width -> new tokens per request per step
         self.peak: dict[int, float] = {1: 1.0}  # width -> the most of any one round
         self.rounds: dict[int, int] = {}
+        self.calls: dict[int, int] = {}
+        # `segment`'s probes: (kind, rows, width) -> (the segment or call it may run at next,
+        # the wait that led there, doubled by each probe until the width is the best again)
+        self.next_probe: dict[tuple, tuple[int, int]] = {}
 
     def best(self, rows: int) -> int | None:
         """The width of the highest measured tokens per second for `rows` (None: some width is
@@ -128,24 +134,43 @@ class SpeculationBudget:
     def segment(self, rows: int, call_start: bool, max_gain: float) -> tuple[int, bool]:
         """`Engine.generate`'s next segment: (width, probe), a probe being a short one. An
         unmeasured width first, as a probe; else the best width, with every other drafting
-        width probed every `probe_every`-th segment unless its measured cost is over
-        `max_gain` (the most tokens a step can gain) times the best's (no acceptance could pay
-        for it then), and at a call's start (new text, new acceptance) if it was once the
-        fastest (its best round's tokens per second beat the best width's now): a drafter that
-        never paid on this device is not probed on every call."""
+        width probed after `probe_every` segments, and at a call's start (new text, new
+        acceptance) if it was once the fastest (its best round's tokens per second beat the
+        best width's now); each kind of probe waits twice as long after each one (up to
+        MAX_PROBE_INTERVAL segments or calls) until the width is the best again, and none runs
+        if its measured cost is over `max_gain` (the most tokens a step can gain) times the
+        best's. So a drafter that does not pay on this device costs fewer and fewer steps, and
+        one that pays on some text is found there."""
         for w in reversed(self.widths):
             if (rows, w) not in self.cost or w not in self.gain:
                 return w, True
         best = self.best(rows)
         n = self.rounds[rows] = self.rounds.get(rows, 0) + 1
+        if call_start:
+            self.calls[rows] = self.calls.get(rows, 0) + 1
         cost = {w: min(self.cost[(rows, w)]) for w in self.widths}
+        for kind in ("segment", "call"):  # the best width's probes start afresh
+            self.next_probe.pop((kind, rows, best), None)
         may_pay = [w for w in self.widths if w not in (1, best) and cost[w] < max_gain * cost[best]]
-        if may_pay and n % self.probe_every == 0:
-            return may_pay[(n // self.probe_every) % len(may_pay)], True
-        once_best = [w for w in may_pay if self.peak[w] / cost[w] > self.gain[best] / cost[best]]
-        if once_best and call_start:
-            return once_best[n % len(once_best)], True
+        for w in may_pay:
+            if self._probe_due(("segment", rows, w), n, self.probe_every):
+                return w, True
+        if call_start:
+            for w in may_pay:
+                once_best = self.peak[w] / cost[w] > self.gain[best] / cost[best]
+                if once_best and self._probe_due(("call", rows, w), self.calls[rows], 0):
+                    return w, True
         return best, False
+
+    def _probe_due(self, key, now: int, first_wait: int) -> bool:
+        """Whether the probe `key` runs at `now` (a segment or call count); if so, the next waits
+        twice as long as the last wait (the first: `first_wait`, then at least 2)."""
+        at, wait = self.next_probe.setdefault(key, (now + first_wait, max(first_wait, 1)))
+        if now < at:
+            return False
+        wait = min(2 * wait, MAX_PROBE_INTERVAL)
+        self.next_probe[key] = (now + wait, wait)
+        return True
 
     def record(self, rows: int, width: int, steps: int, seconds: float, tokens_per_request: float):
         """One round's measurement: `steps` steps in `seconds`, each running request gaining
