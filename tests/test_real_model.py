@@ -148,13 +148,14 @@ def test_random_heads_fail_the_acceptance_bound(smol, dev_vanilla, tmp_path):
 def test_methods_without_options_run_the_documented_defaults(smol):
     """`specjax generate --method M` on the embedded model builds what the README and
     docs/methods.md call M's default on a CPU: the shipped heads' recommended settings, a
-    prompt-lookup graft of 5 tokens (n-grams of 2 or 3) included; `no_lookup` drops the graft."""
+    prompt-lookup graft of 5 tokens (EAGLE-2: 8; n-grams of 2 or 3) included; `no_lookup` drops
+    the graft."""
     from specjax.method_configs import EagleConfig
     from specjax.methods import make_proposer
     from specjax.proposers.eagle import EagleDynamicProposer
     from specjax.proposers.lookup_graft import LookupGraftProposer
 
-    def graft_of(proposer):
+    def graft_of(proposer, tokens=5):
         assert isinstance(proposer, LookupGraftProposer)
         lookup = proposer.lookup
         assert (
@@ -162,11 +163,11 @@ def test_methods_without_options_run_the_documented_defaults(smol):
             lookup.min_matching_ngram_size,
             lookup.max_matching_ngram_size,
             proposer.width,
-        ) == (5, 2, 3, None)
+        ) == (tokens, 2, 3, None)
         return proposer.base
 
     eagle2, params = make_proposer("eagle2", smol)
-    base = graft_of(eagle2)
+    base = graft_of(eagle2, tokens=8)
     assert isinstance(base, EagleDynamicProposer)
     assert (base.total_tokens, base.depth, base.top_k) == (4, 2, 2)
     assert params["lm_head"].shape[0] == params["draft_ids"].shape[0] == 4096
@@ -176,7 +177,7 @@ def test_methods_without_options_run_the_documented_defaults(smol):
     eagle, _ = make_proposer("eagle1", smol)
     assert make_proposer("eagle", smol)[0] == eagle  # TensorRT-LLM's name for EAGLE-1
     assert graft_of(eagle).eagle_choices == ((0,), (1,), (0, 0))
-    assert graft_of(eagle).rule == graft_of(eagle2).rule == "recursive"  # when sampling
+    assert graft_of(eagle).rule == base.rule == "recursive"  # when sampling
     eagle3, _ = make_proposer("eagle3", smol)
     eagle3 = graft_of(eagle3)
     assert (eagle3.total_tokens, eagle3.depth, eagle3.top_k) == (4, 2, 2)
