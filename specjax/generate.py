@@ -310,7 +310,7 @@ class Engine:
             steps, lengths = host_array(state.steps), host_array(state.lengths)
             programs = advance._cache_size()
             t0 = time.perf_counter()
-            state = run(*args(width, PROBE_STEPS if probe else SEGMENT_STEPS))
+            state = run(*args(width, budget.probe_steps(b, width, PROBE_STEPS) if probe else SEGMENT_STEPS))
             done = host_array(state.done)
             seconds = time.perf_counter() - t0
             ran = host_array(state.steps) - steps

@@ -316,6 +316,7 @@ def test_the_engines_segments_probe_drafting_on_new_text():
     # loses (call 4: the periodic probe, 4 segments after drafting stopped being the best)
     calls = [b.segment(1, True, max_gain=9) for _ in range(7)]
     assert [c for c, plan in enumerate(calls, 1) if plan == (9, True)] == [1, 3, 4, 7]
+    assert b.probe_steps(1, 9, 8) == 4  # a probe of a width twice as costly: half as long
     slow = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
     slow.record(1, 9, 8, 8 * 0.5, 1.0)  # a step 50x plain's: no acceptance of 9 nodes pays that
     slow.record(1, 1, 8, 8 * 0.01, 1.0)

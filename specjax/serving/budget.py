@@ -162,6 +162,16 @@ class SpeculationBudget:
                     return w, True
         return best, False
 
+    def probe_steps(self, rows: int, width: int, steps: int) -> int:
+        """How many steps a probe of `width` runs: `steps`, cut in proportion where a step of it
+        costs more than one of the best width (at least 2), so a probe of an expensive drafter
+        costs about what `steps` steps of the best would."""
+        best = self.best(rows)
+        if best is None or best == width:
+            return steps
+        ratio = min(self.cost[(rows, best)]) / min(self.cost[(rows, width)])
+        return max(2, min(steps, round(steps * ratio)))
+
     def _probe_due(self, key, now: int, first_wait: int) -> bool:
         """Whether the probe `key` runs at `now` (a segment or call count); if so, the next waits
         twice as long as the last wait (the first: `first_wait`, then at least 2)."""
