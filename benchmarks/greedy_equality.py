@@ -2,10 +2,12 @@
 
 `specjax bench` compares outputs too, but one prompt at a time at batch 1 and with timing; this
 runs every prompt of a file (the dev set's 297) through `Engine.generate` in batches, vanilla
-first, then each method with its default settings (the speculation budget on, as users get it),
-and sorts each output into equal, near-tie (the first difference sits where the target's two best
-logits are within float32 rounding: `specjax.greedy_check`) or differ. Writes results.json and
-results.md in --out.
+first, then each method with its default settings, verifying whole draft trees every step
+(`fixed_speculation`: with the budget on, a batch of 8 on a CPU decodes mostly without drafting,
+which would test little; `--budget` runs it), and sorts each output into equal, near-tie (the
+first difference sits where the target's two best logits are within float32 rounding:
+`specjax.greedy_check`) or differ. Vanilla's outputs are kept in --out and reused by a rerun
+with the same settings. Writes results.json and results.md in --out.
 
     python benchmarks/greedy_equality.py --prompts ../shared/data/dev_prompts.jsonl \
         --methods suffix,eagle2,eagle1,eagle3,medusa,redrafter --out runs/greedy_dev
@@ -27,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
+    ap.add_argument("--budget", action="store_true", help="the speculation budget on (default: whole trees)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -58,14 +61,24 @@ def main(argv=None):
                 eos_token_ids=(),
                 proposer=proposer,
                 proposer_params=pparams,
+                fixed_speculation=not args.budget,
             )
             for i, ids, steps in zip(batch, res.token_ids, res.steps):
                 out[i] = (ids, steps)
         return out, time.perf_counter() - t0
 
-    vanilla, _ = run()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = out / "vanilla.json"
+    settings = [args.model, args.prompts, args.limit, args.max_new_tokens, args.batch]
+    if kept.exists() and json.loads(kept.read_text())["settings"] == settings:
+        vanilla = json.loads(kept.read_text())["outputs"]
+    else:
+        vanilla, _ = run()
+        kept.write_text(json.dumps({"settings": settings, "outputs": vanilla}))
     results = {"model": args.model, "prompts": args.prompts, "count": len(encoded), "methods": {}}
     results["max_new_tokens"], results["batch"] = args.max_new_tokens, args.batch
+    results["budget"] = args.budget
     for spec in specs:
         proposer, pparams = make_proposer(spec.method, model, **dict(spec.options))
         got, seconds = run(proposer, pparams, spec.label)
@@ -85,12 +98,11 @@ def main(argv=None):
             "not_equal": differ,
         }
         print(spec.label, verdicts, f"{tokens / max(passes, 1):.2f} tokens/pass", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))  # so far: a stopped run keeps it
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [
         f"{args.model}, {len(encoded)} prompts of {args.prompts}, greedy, {args.max_new_tokens} new tokens, "
-        f"batches of {args.batch}",
+        f"batches of {args.batch}, {'the speculation budget on' if args.budget else 'whole trees every step'}",
         "",
         "| method | equal | near-tie | differ | tokens per target pass |",
         "|---|---|---|---|---|",
