@@ -135,6 +135,33 @@ def test_block_forward_matches_the_dense_reference(target):
         np.testing.assert_allclose(np.asarray(logits[i]), want, rtol=2e-4, atol=2e-4)
 
 
+def test_dense_training_blocks_equal_the_paged_drafter(target):
+    """`dflash_blocks` (training: several blocks per sequence in one dense pass, each seeing the
+    context before its anchor) gives, block by block, the logits `DFlashProposer` drafts with over
+    its paged cache after `init` with the context up to the anchor."""
+    from specjax.proposers.dflash_net import dflash_blocks, dflash_fuse, dflash_logits
+
+    dc, params = random_drafter(target)
+    k, t = 4, 12
+    prop = DFlashProposer(dc, target_layers=LAYERS, mask_token_id=MASK, block_size=k)
+    rng = np.random.default_rng(1)
+    feats = jnp.asarray(rng.normal(size=(2, t, len(LAYERS) * CFG.hidden_size)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(0, MASK, size=(2, t)).astype(np.int32))
+    anchors = jnp.asarray([[2, 5, 9], [1, 7, 11]], jnp.int32)  # block 11 runs past the sequence
+    blocks = jnp.full((2, 3, k), MASK, jnp.int32).at[..., 0].set(jnp.take_along_axis(tokens, anchors, axis=1))
+    context = dflash_fuse(params["net"], dc, feats)
+    dense = dflash_logits(
+        params["lm_head"], dflash_blocks(params["net"], dc, params["embed"], context, blocks, anchors)[:, :, 1:]
+    )
+    tables = jnp.arange(2 * 6, dtype=jnp.int32).reshape(2, 6)
+    pools = init_pages(dc, 2 * 6, 4)
+    for n in range(anchors.shape[1]):
+        ctx = SpecContext(tokens, anchors[:, n] + 1, tables, prompt_hidden=feats)
+        state = jax.jit(prop.init)(params, pools, ctx, tokens, anchors[:, n])
+        paged, _ = jax.jit(prop.block_logits)(params, state, ctx)
+        np.testing.assert_allclose(np.asarray(dense[:, n]), np.asarray(paged), rtol=1e-5, atol=1e-5)
+
+
 # --- greedy decoding is the target's ------------------------------------------------------------
 
 

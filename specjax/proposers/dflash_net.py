@@ -15,6 +15,8 @@ Because a context token's keys depend on its target features alone, they are kep
 paged draft cache (the target's block tables) and each step only the newly accepted tokens' are
 written (`write_context`), as the reference keeps its DynamicCache cropped to the accepted tokens.
 The block's own keys go to scratch slots after the context, rewritten by the next step's context.
+Training (`dflash_blocks`) runs many blocks of a sequence in one dense pass through the same layer
+code, each block masked to the context before its anchor and to itself.
 
 params ("net"): {"fc": [D, n * Dt], "hidden_norm": [D], "norm": [D], "layers": [{"attn_norm",
 "wq": [H * hd, D], "wkv": [2 * KVH * hd, D], "q_norm", "k_norm": [hd], "wo", "mlp_norm",
@@ -33,7 +35,7 @@ import numpy as np
 from specjax.attention import paged_attention, uses_pallas
 from specjax.cache import PagedKVCache
 from specjax.cpu.matmul import take_rows
-from specjax.kernels_pallas import write_paged_kv
+from specjax.kernels_pallas import gathered_attention, write_paged_kv
 from specjax.model import head_logits, key_mask, linear, mlp_block, rms_norm
 from specjax.model_config import ModelConfig
 from specjax.rope import apply_rope, rope_cos_sin
@@ -82,6 +84,25 @@ def write_context(net, config: ModelConfig, cache: PagedKVCache, context, positi
     return cache.replace(k_pages=ks, v_pages=vs)
 
 
+def _block_layers(net, config: ModelConfig, h, cos, sin, attend):
+    """The drafter's layers over block inputs h [B, T, D] (embedded tokens) and the final norm.
+
+    Each layer's queries and the block's own keys and values come from the layer's normed input
+    (q = RoPE(q_norm(q_proj(x))), k = RoPE(k_norm(k_proj(x))), v = v_proj(x)); `attend(i, q, k, v)`
+    gives layer i's attention [B, T, H, hd] over the context and the block: the paged cache at
+    inference (`dflash_block`), dense blocks in training (`dflash_blocks`)."""
+    b, t, _ = h.shape
+    hd, eps = config.head_dim, config.rms_norm_eps
+    for i, layer in enumerate(net["layers"]):
+        x = rms_norm(h, layer["attn_norm"], eps)
+        q = rms_norm(linear(x, layer["wq"]).reshape(b, t, config.num_heads, hd), layer["q_norm"], eps)
+        k, v = _keys_values(layer, config, x, cos, sin)
+        attn = attend(i, apply_rope(q, cos, sin), k, v)
+        h = h + linear(attn.reshape(b, t, -1), layer["wo"])
+        h = mlp_block(layer, config, h)
+    return rms_norm(h, net["norm"], eps)
+
+
 def dflash_block(net, config: ModelConfig, embed, cache: PagedKVCache, tokens, positions):
     """(normed hidden states [B, K, D] of the block, the cache with the block's keys written).
 
@@ -89,35 +110,58 @@ def dflash_block(net, config: ModelConfig, embed, cache: PagedKVCache, tokens, p
     context (cache.lengths tokens); positions [B, K] its RoPE positions. Every block slot sees
     the whole context and the whole block."""
     b, t = tokens.shape
-    hd, eps = config.head_dim, config.rms_norm_eps
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     block_mask = jnp.ones((b, t, t), bool)
     valid = jnp.ones((b, t), bool)
     cos, sin = rope_cos_sin(config, positions)
     keys_seen = key_mask(config, cache, positions, block_mask)
     exact = config.sliding_window is None and uses_pallas()
-    h = take_rows(embed, tokens)
-    ks, vs = [], []
-    for layer, k_pages, v_pages in zip(net["layers"], cache.k_pages, cache.v_pages):
-        x = rms_norm(h, layer["attn_norm"], eps)
-        q = rms_norm(linear(x, layer["wq"]).reshape(b, t, config.num_heads, hd), layer["q_norm"], eps)
-        q = apply_rope(q, cos, sin)
-        k, v = _keys_values(layer, config, x, cos, sin)
-        k_pages, v_pages = write_paged_kv(k_pages, v_pages, cache.block_tables, slots, k, v, valid)
-        attn = paged_attention(
+    ks, vs = list(cache.k_pages), list(cache.v_pages)
+
+    def attend(i, q, k, v):
+        ks[i], vs[i] = write_paged_kv(ks[i], vs[i], cache.block_tables, slots, k, v, valid)
+        return paged_attention(
             q,
-            k_pages,
-            v_pages,
+            ks[i],
+            vs[i],
             cache.block_tables,
             cache.lengths,
             block_mask,
             key_mask=None if exact else keys_seen,
         )
-        h = h + linear(attn.reshape(b, t, -1), layer["wo"])
-        h = mlp_block(layer, config, h)
-        ks.append(k_pages)
-        vs.append(v_pages)
-    return rms_norm(h, net["norm"], eps), cache.replace(k_pages=ks, v_pages=vs)
+
+    hidden = _block_layers(net, config, take_rows(embed, tokens), cos, sin, attend)
+    return hidden, cache.replace(k_pages=ks, v_pages=vs)
+
+
+def dflash_blocks(net, config: ModelConfig, embed, context, blocks, anchors):
+    """Normed hidden states [B, N, K, D] of N blocks per sequence in one dense pass (training).
+
+    context [B, T, D]: the fused features (`dflash_fuse`) of positions 0 .. T - 1; blocks
+    [B, N, K]: token ids, block n at positions anchors[:, n] + 0 .. K - 1. Block n sees the
+    context positions before its anchor and its own K slots, not the other blocks: block n
+    gives what `dflash_block` gives over a cache holding the context 0 .. anchors[:, n] - 1
+    (`write_context`), the same function of the same keys, gathered densely instead of paged.
+    """
+    b, n, k = blocks.shape
+    t = context.shape[1]
+    positions = (anchors[:, :, None] + jnp.arange(k, dtype=jnp.int32)).reshape(b, n * k)
+    cos, sin = rope_cos_sin(config, positions)
+    ctx_cos, ctx_sin = rope_cos_sin(config, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    block_of = jnp.repeat(jnp.arange(n), k)
+    earlier = jnp.arange(t)[None, None, :] < jnp.repeat(anchors, k, axis=1)[:, :, None]  # [B, NK, T]
+    same_block = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (b, n * k, n * k))
+    mask = jnp.concatenate([earlier, same_block], axis=-1)
+
+    def attend(i, q, k_blk, v_blk):
+        layer = net["layers"][i]
+        k_ctx, v_ctx = _keys_values(layer, config, context.astype(q.dtype), ctx_cos, ctx_sin)
+        keys = jnp.moveaxis(jnp.concatenate([k_ctx, k_blk], axis=1), 2, 0)  # [KVH, B, T + NK, hd]
+        values = jnp.moveaxis(jnp.concatenate([v_ctx, v_blk], axis=1), 2, 0)
+        return gathered_attention(q, keys, values, mask)
+
+    hidden = _block_layers(net, config, take_rows(embed, blocks.reshape(b, n * k)), cos, sin, attend)
+    return hidden.reshape(b, n, k, -1)
 
 
 def dflash_logits(lm_head, hidden):
@@ -172,20 +216,26 @@ def init_dflash_params(key, config: ModelConfig, num_features: int, target_hidde
     }
 
 
-def save_dflash_heads(out_dir, config: ModelConfig, net, meta: dict) -> Path:
-    """Write a specjax "dflash" head checkpoint. meta holds the target's hidden_size and
-    vocab_size, `target_layers` (specjax layer indices), `block_size`, `mask_token_id`; the
-    drafter's HF-style `config` is added."""
-    from specjax.heads import save_heads
-
+def dflash_head_variables(config: ModelConfig, net, meta: dict) -> tuple[dict, dict]:
+    """(variables, meta) of a specjax "dflash" head checkpoint (`specjax.heads.save_heads`).
+    meta holds the target's hidden_size and vocab_size, `target_layers` (specjax layer
+    indices), `block_size`, `mask_token_id`; the drafter's HF-style `config` is added."""
     meta = {**meta, "config": config.to_hf()}
     for key in ("target_layers", "block_size", "mask_token_id", "hidden_size", "vocab_size"):
         if key not in meta:
             raise ValueError(f"DFlash head metadata needs '{key}'")
     meta["target_layers"] = [int(i) for i in meta["target_layers"]]
+    meta["block_size"], meta["mask_token_id"] = int(meta["block_size"]), int(meta["mask_token_id"])
     variables = {k: v for k, v in net.items() if k != "layers"}
     variables["layers"] = {str(i): layer for i, layer in enumerate(net["layers"])}
-    return save_heads(out_dir, KIND, variables, meta)
+    return variables, meta
+
+
+def save_dflash_heads(out_dir, config: ModelConfig, net, meta: dict) -> Path:
+    """Write a specjax "dflash" head checkpoint (meta as `dflash_head_variables`)."""
+    from specjax.heads import save_heads
+
+    return save_heads(out_dir, KIND, *dflash_head_variables(config, net, meta))
 
 
 def load_dflash_heads(path) -> tuple[ModelConfig, dict, dict]:
