@@ -9,6 +9,7 @@ from specjax.checkpoint import CheckpointError, is_specjax_checkpoint, param_pie
 
 def _head_converters():
     """(detector, converter) of each public draft-head format, most specific first."""
+    from specjax.convert.dflash import convert_dflash, is_dflash_dir
     from specjax.convert.eagle import convert_eagle, is_eagle_dir
     from specjax.convert.eagle3 import convert_eagle3, is_eagle3_dir
     from specjax.convert.medusa import convert_medusa, is_medusa_dir
@@ -16,6 +17,7 @@ def _head_converters():
 
     return (
         (is_medusa_dir, convert_medusa),  # FasterDecoding/Medusa
+        (is_dflash_dir, convert_dflash),  # z-lab DFlash (an fc and hidden_norm: before EAGLE)
         (is_eagle3_dir, convert_eagle3),  # SafeAILab EAGLE-3 (also has an fc: before EAGLE)
         (is_eagle_dir, convert_eagle),  # SafeAILab EAGLE-1/2
         (is_redrafter_dir, convert_redrafter),
@@ -24,7 +26,7 @@ def _head_converters():
 
 def convert_checkpoint(src: str | Path, out: str | Path, to: str | None = None) -> Path:
     """Convert SRC (HF dir, specjax dir, .gguf file, embedded name, or draft heads: FasterDecoding
-    Medusa, SafeAILab EAGLE-1/2/3, apple ReDrafter) into `to` format at OUT.
+    Medusa, SafeAILab EAGLE-1/2/3, apple ReDrafter, z-lab DFlash) into `to` format at OUT.
 
     `to` defaults to specjax, or to hf when SRC is already a specjax checkpoint; draft heads
     always become a specjax head checkpoint.

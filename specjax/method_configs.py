@@ -443,6 +443,46 @@ class RedrafterConfig(HeadMethod):
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class DFlashConfig(HeadMethod):
+    """DFlash: a block drafter drafts every position of a block in one forward, as a chain or
+    (`dflash_tree_budget`) a best-first tree of its per-position distributions (DDTree)."""
+
+    method: ClassVar[str] = "dflash"
+    heads_kind: ClassVar[str] = "dflash"
+    title: ClassVar[str] = "DFlash block drafter: chain or DDTree tree"
+    dflash_block_size: int | None = option(
+        None,
+        "block drafted per step: the pending token and N - 1 drafted positions",
+        default_text="the checkpoint's block_size",
+        low=2,
+        metavar="N",
+        peer="block_size (DFlash)",
+    )
+    dflash_tree_budget: int | None = option(
+        None,
+        "verify a best-first tree of N nodes (root included) built from the block's "
+        "per-position distributions instead of a chain",
+        default_text="off (a chain)",
+        low=2,
+        metavar="N",
+        peer="node budget (DDTree)",
+    )
+    dflash_top_k: int = option(8, "tree: candidate tokens per position", low=1)
+    dflash_acceptance: str | None = option(
+        None,
+        "the rule when sampling: residual (chain drafts drawn from the drafter, accepted by "
+        "min(1, p/q)) or match (argmax drafts; the target's sample must equal one)",
+        default_text="residual for chains, match for trees",
+        choices=("residual", "match"),
+    )
+
+    def check(self):
+        super().check()
+        if self.dflash_tree_budget is not None and self.dflash_acceptance == "residual":
+            raise MethodError("`dflash_tree_budget` trees verify with `dflash_acceptance` match, not residual")
+
+
 CONFIGS = {
     "vanilla": VanillaConfig,
     "draft": DraftModelConfig,
@@ -454,6 +494,7 @@ CONFIGS = {
     "eagle3": EagleConfig,
     "redrafter": RedrafterConfig,
     "lookahead": LookaheadConfig,
+    "dflash": DFlashConfig,
 }
 METHODS = tuple(CONFIGS)
 # Other names a method answers to: `eagle` is EAGLE-1 in TensorRT-LLM and in earlier specjax.
@@ -465,7 +506,7 @@ def canonical_method(method: str) -> str:
     return ALIASES.get(method, method)
 
 
-HeadMethodConfig = MedusaConfig | EagleConfig | RedrafterConfig
+HeadMethodConfig = MedusaConfig | EagleConfig | RedrafterConfig | DFlashConfig
 MethodConfig = VanillaConfig | DraftModelConfig | PromptLookupConfig | SuffixConfig | LookaheadConfig | HeadMethodConfig
 
 

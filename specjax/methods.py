@@ -14,6 +14,7 @@ from specjax.method_configs import (  # noqa: F401
     ALIASES,
     CONFIGS,
     METHODS,
+    DFlashConfig,
     DraftModelConfig,
     EagleConfig,
     HeadMethod,
@@ -154,6 +155,8 @@ def _build(config, target: Model):
         return _lookahead(target, config.lookahead, config.lookahead_accept_window), None
     if isinstance(config, RedrafterConfig):
         return _redrafter(target, config)
+    if isinstance(config, DFlashConfig):
+        return _dflash(target, config)
     raise MethodError(f"not a method config: {config!r}")
 
 
@@ -193,6 +196,32 @@ def _redrafter(target: Model, config: RedrafterConfig):
         if isinstance(e, MethodError) or type(e).__name__ == "CheckpointError":
             raise
         raise MethodError(str(e)) from None
+
+
+def _dflash(target: Model, config: DFlashConfig):
+    """DFlash over a specjax "dflash" head checkpoint or a directory in the public format."""
+    from specjax.proposers.dflash import DFlashProposer
+    from specjax.proposers.dflash_net import load_dflash
+
+    if config.heads is None:
+        raise MethodError("method dflash needs `heads` PATH (DFlash drafter weights: specjax or the public format)")
+    try:
+        draft, params, meta = load_dflash(config.heads, target)
+        tree = config.dflash_tree_budget
+        proposer = DFlashProposer(
+            draft,
+            target_layers=meta["target_layers"],
+            mask_token_id=int(meta["mask_token_id"]),
+            block_size=config.dflash_block_size or int(meta["block_size"]),
+            tree_budget=tree,
+            top_k=config.dflash_top_k,
+            acceptance=config.dflash_acceptance,
+        )
+    except ValueError as e:
+        if type(e).__name__ == "CheckpointError":
+            raise
+        raise MethodError(str(e)) from None
+    return proposer, params
 
 
 def _grafted(config, target: Model):

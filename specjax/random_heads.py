@@ -12,7 +12,7 @@ from specjax.model import init_params, lm_head_weight
 
 
 def random_head_checkpoint(method: str, target, out):
-    """A head checkpoint of `method` (medusa, eagle, eagle3, redrafter) with random weights for
+    """A head checkpoint of `method` (medusa, eagle, eagle3, redrafter, dflash) with random weights for
     `target` (a `Model`), saved to out: the methods' real loading path, without training."""
     c = target.config
     key = jax.random.PRNGKey(0)
@@ -29,6 +29,10 @@ def random_head_checkpoint(method: str, target, out):
 
         cfg3, net = init_eagle3_params(key, c, min(2048, c.vocab_size), scale=0.02)
         return save_eagle3_heads(out, cfg3, net, {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size})
+    if method == "dflash":
+        from specjax.proposers.dflash_net import random_dflash_checkpoint
+
+        return random_dflash_checkpoint(target, out)
     if method == "redrafter":
         from specjax.proposers.redrafter import ReDrafterProposer, head_meta, save_redrafter
 

@@ -10,7 +10,8 @@ catch a 2% per-cell bias (`test_the_chi_square_has_power`). Deliberately broken 
 it. End to end, every method samples through Engine.generate with 20480 seeds, which catch an
 8% per-cell bias (Prompt-Lookup, Draft-Target with sampled and with greedy drafts, Medusa,
 EAGLE-1 trees, the EAGLE chain (its head an exact copy of the target), EAGLE-2 with and without
-the probability floor and the lookup graft, EAGLE-3, sampled ReDrafter beams, and Medusa,
+the probability floor and the lookup graft, EAGLE-3, sampled ReDrafter beams, DFlash chains
+drawn from the block drafter (`residual`) and DFlash best-first trees (`match`), and Medusa,
 EAGLE-1, EAGLE-2 and EAGLE-3 with the `recursive` rule, also with the graft, and Medusa, EAGLE-1
 and EAGLE-2 (with the graft) with the `traversal` rule), and each run again with its first draft
 emitted unchecked must fail.
@@ -535,6 +536,24 @@ def _tree_proposer(method, target):
     return proposer, {"net": {"fc": fc, "layers": [layer]}, "embed": target["embed"], "lm_head": lm_head_weight(target)}
 
 
+def _dflash_proposer(method, target):
+    """DFlash with a random one-layer block drafter over target layers 0 and 1: a chain of 2
+    drafts drawn from the drafter (`residual`), or (dflash-tree) a best-first tree of 18 nodes
+    over the top 15 tokens per position (`match`; a random drafter's smaller trees missed the
+    few tokens the target draws after PROMPT). Its final norm is scaled down so that its q is
+    flat enough to overlap the target's p (a random drafter's sharp q rarely does)."""
+    from specjax.model import lm_head_weight
+    from specjax.proposers.dflash import DFlashProposer
+    from specjax.proposers.dflash_net import draft_config, init_dflash_params
+
+    dc = draft_config(CFG, 1)
+    net = init_dflash_params(jax.random.PRNGKey(6), dc, 2, CFG.hidden_size, scale=0.3)
+    net = {**net, "norm": 0.2 * net["norm"]}
+    tree = {"tree_budget": 18, "top_k": V - 1} if method == "dflash-tree" else {}
+    proposer = DFlashProposer(dc, target_layers=(0, 1), mask_token_id=V - 1, block_size=3, **tree)
+    return proposer, {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
+
+
 def _eagle_chain_oracle(target):
     """(target', EAGLE chain proposer, params) where the chain's head is the target itself, so it
     drafts the target's argmax (a random head's would rarely be drawn, testing nothing).
@@ -574,6 +593,8 @@ E2E_METHODS = [
     "medusa-recursive",
     "redrafter",
     "eagle-chain",
+    "dflash",
+    "dflash-tree",
 ]
 E2E_SLOW = [
     "draft-greedy",
@@ -600,6 +621,9 @@ def test_engine_sampling_is_lossless(models, tables, method, monkeypatch):
         sampling = SamplingConfig(temperature=0.8, top_p=0.95)
         target, proposer, params = _eagle_chain_oracle(target)
         p_table = _continuation_logits(target, CFG)
+    elif method.startswith("dflash"):  # chains drawn from q (residual), or a top-k tree (match)
+        sampling = SamplingConfig(temperature=1.0, top_p=0.9)
+        proposer, params = _dflash_proposer(method, target)
     elif method == "pld":
         sampling = SamplingConfig(temperature=0.8, top_k=8)
         proposer, params = PromptLookupProposer(prompt_lookup_num_tokens=3), None

@@ -131,6 +131,9 @@ def test_cli_bad_prompt_files(tiny_llama, tmp_path, capsys):
         # options EAGLE does not have: refused, not ignored
         ["--num-heads", "3"],
         ["--draft-vocab-size", "64"],
+        ["--block-size", "1"],
+        ["--loss-decay-gamma", "0"],
+        ["--block-size", "8"],  # DFlash's
     ],
 )
 def test_cli_bad_method_options(tiny_llama, tmp_path, capsys, option):
@@ -578,6 +581,36 @@ def test_eagle3_loss_matches_numpy():
     np.testing.assert_allclose(float(loss), total, rtol=1e-5)
 
 
+def test_dflash_loss_matches_numpy():
+    """Slot j of a block weighs exp(-j / gamma) (the paper's exp(-(k - 1) / gamma) for the k-th
+    drafted token) in a weighted mean over scored slots; a block's accepted drafts are its
+    leading correct slots."""
+    from specjax.training.losses import dflash_decay_gamma, dflash_loss
+
+    rng = np.random.default_rng(5)
+    b, n, k, v, gamma = 2, 3, 4, 6, 2.5
+    logits = rng.normal(size=(b, n, k, v)).astype(np.float32)
+    labels = rng.integers(0, v, size=(b, n, k))
+    labels[0, 0] = logits[0, 0].argmax(-1)  # a block drafted right: 4 accepted
+    labels[0, 1, :2] = logits[0, 1, :2].argmax(-1)  # right up to slot 2: 2 accepted
+    labels[0, 1, 2] = (logits[0, 1, 2].argmax() + 1) % v
+    mask = rng.random((b, n, k)) > 0.25
+    mask[0, :2] = True
+    mask[1, 2] = False  # a block with no label: not counted
+    loss, m = dflash_loss(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(mask), gamma)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+    w = np.exp(-np.arange(k) / gamma) * mask
+    np.testing.assert_allclose(float(loss), (w * nll).sum() / w.sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(m["loss_k"]), (nll * mask).sum((0, 1)) / mask.sum((0, 1)), rtol=1e-5)
+    hit = (logits.argmax(-1) == labels) & mask
+    np.testing.assert_allclose(np.asarray(m["acc_k"]), hit.sum((0, 1)) / mask.sum((0, 1)), rtol=1e-6)
+    lead = [int(np.cumprod(hit[i, j]).sum()) for i in range(b) for j in range(n) if mask[i, j, 0]]
+    assert lead[:2] == [4, 2]
+    np.testing.assert_allclose(float(m["accepted"]), np.mean(lead), rtol=1e-6)
+    assert [dflash_decay_gamma(s) for s in (8, 10, 16, 4, 32)] == [4.0, 5.0, 7.0, 4.0, 7.0]
+
+
 @pytest.mark.parametrize("variant", ["eagle", "eagle3"])
 def test_unroll_equals_sequential_drafting(variant):
     """Step i of the training-time test at position t computes what the draft computes at test
@@ -965,6 +998,47 @@ def test_train_resume_and_decode(setup, method, tmp_path, capsys):
             enc, 12, proposer=proposer, proposer_params=pparams
         )
         assert out.token_ids == vanilla
+
+
+def test_dflash_train_and_decode(setup, tmp_path, capsys):
+    """`specjax train --method dflash`: the block loss falls, the heads record the drafter's
+    target layers, block size and a mask token the data never holds, and they decode (the CLI's
+    `--method dflash --heads`, and `make_proposer` through the trainer) exactly like vanilla."""
+    from specjax.cli import main
+    from specjax.generate import Engine
+    from specjax.loading import load_model
+    from specjax.training.data import PromptRecord, encode_record
+    from specjax.training.features import FeatureStore
+    from specjax.training.trainers import make_method
+
+    base, prompts, data, out = setup["base"], setup["prompts"], setup["data"], tmp_path / "dflash"
+    args = ["train", "--method", "dflash", "--base", base, "--prompts", str(prompts), "--data", str(data)]
+    args += ["--out", str(out), "--max-prompts", "10", "--max-new-tokens", "16", "--steps", str(STEPS)]
+    args += ["--batch-size", "4", "--max-len", "64", "--lr", "3e-3", "--warmup", "4", "--eval-prompts", "0"]
+    args += ["--block-size", "4", "--loss-positions", "8", "--no-progress"]
+    assert main(args) == 0
+    capsys.readouterr()
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == STEPS and len(rows[0]["acc"]) == 3 and "accepted" in rows[0]
+    first, last = np.mean([r["loss"] for r in rows[:4]]), np.mean([r["loss"] for r in rows[-4:]])
+    assert last < first - 0.05 * first, (first, last)
+    meta, _ = _heads(out / "heads")
+    assert (meta["kind"], meta["block_size"], meta["target_layers"]) == ("dflash", 4, [1])
+    store = FeatureStore(data / "features" / "l1-float16")
+    seen = np.concatenate([store.sequence(i)["tokens"] for i in range(len(store))])
+    assert meta["mask_token_id"] not in seen and meta["mask_token_id"] == max(set(range(320)) - set(seen))
+
+    texts = ["Say hello to the fox.", "What is 2 + 2?"]
+    gen = ["generate", "--model", base, "--prompt", texts[0], "--prompt", texts[1], "--max-new-tokens", "12"]
+    gen += ["--json", "--no-warmup"]
+    vanilla = _generate(gen, capsys)
+    assert _generate(gen + ["--method", "dflash", "--heads", str(out / "heads")], capsys) == vanilla
+    model = load_model(base)
+    proposer, pparams = make_method("dflash", block_size=4).proposer(out / "heads", model)
+    assert (proposer.block_size, proposer.feature_layers) == (4, (1,))
+    enc = [encode_record(model.tokenizer, PromptRecord(p)) for p in texts]
+    got = Engine(model.params, model.config, num_pages=64).generate(enc, 12, proposer=proposer, proposer_params=pparams)
+    assert got.token_ids == vanilla
 
 
 def test_bad_output_folders_and_heads(setup, tmp_path, capsys):

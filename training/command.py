@@ -14,7 +14,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "train",
-        help="train draft heads (Medusa, EAGLE, EAGLE-3, ReDrafter) for a base model",
+        help="train draft heads (Medusa, EAGLE, EAGLE-3, ReDrafter, DFlash) for a base model",
         description="Self-distillation data, teacher-forced features, training and evaluation; "
         "every stage resumes from what the output (and data) folder holds.",
     )
@@ -79,7 +79,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "--num-layers",
         type=int,
         default=None,
-        help="ResBlocks per Medusa head (default 1) / EAGLE draft layers (default 1)",
+        help="ResBlocks per Medusa head (default 1) / EAGLE or DFlash draft layers (default 1)",
     )
     m.add_argument(
         "--own-lm-head",
@@ -119,7 +119,26 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="Medusa/ReDrafter/EAGLE: score N random answer positions per sequence "
         "and step through the vocabulary projection (cheaper steps on CPU; "
-        "default all)",
+        "default all); DFlash: anchors (blocks) per sequence and step (default 32)",
+    )
+    m.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="DFlash: block of the anchor token and N - 1 drafted positions (default 16)",
+    )
+    m.add_argument(
+        "--loss-decay-gamma",
+        type=float,
+        default=None,
+        help="DFlash: drafted slot j weighs exp(-(j - 1) / gamma) "
+        "(default the paper's: 4, 5, 7 for blocks of 8, 10, 16)",
+    )
+    m.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="DFlash: the mask token (default the highest id the training data never holds)",
     )
     m.add_argument(
         "--draft-vocab-size",
@@ -166,6 +185,12 @@ def config_from_args(args):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.block_size is not None and args.block_size < 2:
+        raise TrainError(f"--block-size must be >= 2 (the anchor and a draft), got {args.block_size}")
+    if args.loss_decay_gamma is not None and not args.loss_decay_gamma > 0:
+        raise TrainError(f"--loss-decay-gamma must be > 0, got {args.loss_decay_gamma}")
+    if args.mask_token_id is not None and args.mask_token_id < 0:
+        raise TrainError(f"--mask-token-id must be >= 0, got {args.mask_token_id}")
     for name in ("noise_std", "feature_loss_weight", "token_loss_weight"):
         value = getattr(args, name)
         if value is not None and not value >= 0:  # NaN too
@@ -188,6 +213,9 @@ def config_from_args(args):
         "p_w": args.token_loss_weight,
         "token_loss": args.token_loss,
         "draft_vocab_loss": True if args.draft_vocab_loss else None,
+        "block_size": args.block_size,
+        "loss_decay_gamma": args.loss_decay_gamma,
+        "mask_token_id": args.mask_token_id,
     }
     flags = {"steps": "--draft-steps", "v_w": "--feature-loss-weight", "p_w": "--token-loss-weight"}
     foreign = [

@@ -27,6 +27,15 @@ against softmax of the target's logits of position t + 1 + i restricted to that 
 (soft labels), counted where the target's argmax lies in the draft vocabulary and token t + i is
 an answer token; steps weigh 0.8^i; no feature regression, no noise.
 
+DFlash (Chen et al. 2026, arXiv 2602.06036; the reference recipe is SpecForge's
+specforge/core/dflash.py `OnlineDFlashModel` with scripts/train_dflash.py): per sequence, random
+anchors among the answer tokens; each anchor's block [anchor token, mask x (K - 1)] sees the
+target's features of the positions before the anchor, and block slot j (1..K-1) is scored on the
+token at anchor + j by cross-entropy where that token is an answer token. Slot j weighs
+exp(-(j - 1) / gamma) (the paper's Eq. 4; SpecForge's --loss-decay-gamma suggests gamma 7 for
+K = 16, 5 for 10 and 4 for 8): an early slot's error ends the accepted prefix, a late one's
+rarely matters. The loss is the weighted mean over scored slots.
+
 ReDrafter (apple/ml-recurrent-drafter recurrent_drafting/train/loss.py and model.py): step i
 (0-based) of the RNN predicts token t + i + 2 from [h_t; s_{i+1}], cross-entropy on answer
 tokens, steps summed with weight 1.
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MEDUSA_DECAY = 0.8
 EAGLE_V_W, EAGLE_P_W = 1.0, 0.1
@@ -241,4 +251,36 @@ def eagle3_loss(step_logp, target_logits, target_in_vocab, mask, valid, decay: f
         "loss_k": losses,
         "acc_k": jnp.stack(accs),
         "kl": jnp.sum(weights * jnp.stack(kls)),
+    }
+
+
+def dflash_decay_gamma(block_size: int) -> float:
+    """The paper's gamma for a block of `block_size`: 4, 5, 7 at 8, 10, 16, linear between and
+    held outside."""
+    return float(np.interp(block_size, [8, 10, 16], [4.0, 5.0, 7.0]))
+
+
+def dflash_loss(logits, labels, mask, gamma: float):
+    """DFlash's block loss of drafted logits [B, N, K - 1, V] (N blocks, the slots after each
+    anchor) against labels [B, N, K - 1] where mask [B, N, K - 1] holds.
+
+    Slot j (0-based among the drafted ones) weighs exp(-j / gamma) (`dflash_decay_gamma`).
+    Returns (weighted mean cross-entropy, {"loss_k": [K - 1], "acc_k": [K - 1] top-1 accuracy per
+    slot, "accepted": mean over blocks of the drafts a greedy chain would accept, its leading
+    correct slots, the teacher-forced tokens per step minus one}).
+    """
+    k = logits.shape[2]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    m = mask.astype(jnp.float32)
+    weights = jnp.exp(-jnp.arange(k, dtype=jnp.float32) / gamma) * m
+    loss = jnp.sum(weights * nll) / jnp.maximum(jnp.sum(weights), 1e-6)
+    hit = (jnp.argmax(logp, -1) == labels) & mask
+    per_slot = jnp.maximum(jnp.sum(m, axis=(0, 1)), 1.0)
+    blocks = mask[..., 0]
+    accepted = jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1)
+    return loss, {
+        "loss_k": jnp.sum(m * nll, axis=(0, 1)) / per_slot,
+        "acc_k": jnp.sum(hit, axis=(0, 1)) / per_slot,
+        "accepted": jnp.sum(accepted * blocks) / jnp.maximum(jnp.sum(blocks), 1),
     }

@@ -263,7 +263,7 @@ def fit(
                 "grad_norm": float(m["grad_norm"]),
                 "acc": [float(a) for a in np.atleast_1d(m["acc_k"])],
             }
-            for k in ("vloss", "ploss", "kl", "alpha"):
+            for k in ("vloss", "ploss", "kl", "alpha", "accepted"):
                 if k in m:
                     row[k] = float(m[k])
             if "loss_k" in m:

@@ -4,7 +4,7 @@ A method is a frozen (hashable) dataclass, so it is a static argument of the jit
 It declares the features it needs (`feature_spec`), builds its trainable parameters, computes its
 loss from a batch (base parameters are inputs, never trained), writes the specjax head checkpoint
 that `specjax generate --heads` / the proposers load, and builds the proposer that evaluates it.
-Medusa, EAGLE (EAGLE-1/2), EAGLE-3 and ReDrafter register in METHODS with the same interface.
+Medusa, EAGLE (EAGLE-1/2), EAGLE-3, ReDrafter and DFlash register in METHODS with the same interface.
 """
 
 from __future__ import annotations
@@ -598,11 +598,141 @@ class ReDrafterMethod(TrainMethod):
         return make_redrafter(model, str(heads_dir))
 
 
+@dataclasses.dataclass(frozen=True)
+class DFlashMethod(TrainMethod):
+    """DFlash: a block drafter of `num_layers` non-causal layers drafts the K - 1 tokens after a
+    pending token in one pass, from the target's features of the tokens before it
+    (`specjax.proposers.dflash_net`).
+
+    Each step samples `loss_positions` anchors per sequence among the answer tokens (each with
+    an answer token after it); anchor a's block [token a, mask x (K - 1)] sits at positions
+    a .. a + K - 1 and sees the fused features of positions < a, as at inference, where the
+    context holds every token before the pending one. All blocks of a batch run in one dense
+    pass (`dflash_blocks`, the inference layers with a mask in place of the paged cache); slot j
+    is scored on the distilled answer's token a + j (the target's greedy choice when the answers
+    are greedy) with weights exp(-(j - 1) / gamma) (`losses.dflash_loss`).
+
+    As in the reference the draft layers and `fc` start random and the target's embedding and
+    LM head are frozen inputs. The mask token is `mask_token_id`, else the highest vocabulary id
+    the training sequences never hold (`constants`): the reference adds a fresh <|MASK|> token,
+    a target without a spare row lends one its data does not use.
+    """
+
+    num_layers: int = 1
+    block_size: int = 16
+    loss_positions: int = 32  # anchors (blocks) per sequence and step
+    loss_decay_gamma: float | None = None  # None: the paper's for the block size
+    mask_token_id: int | None = None
+    name: str = "dflash"
+    kind: str = "dflash"
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"a DFlash block holds the anchor and drafts: block_size >= 2, got {self.block_size}")
+
+    @property
+    def num_outputs(self) -> int:
+        return self.block_size - 1
+
+    @property
+    def gamma(self) -> float:
+        if self.loss_decay_gamma is None:
+            return losses.dflash_decay_gamma(self.block_size)
+        return self.loss_decay_gamma
+
+    def target_layers(self, config: ModelConfig) -> tuple[int, ...]:
+        from specjax.proposers.dflash_net import default_target_layers
+
+        return default_target_layers(config.num_layers, self.num_layers)
+
+    def draft_config(self, config: ModelConfig) -> ModelConfig:
+        from specjax.proposers.dflash_net import draft_config
+
+        return draft_config(config, self.num_layers)
+
+    def feature_spec(self, config, dtype="float16"):
+        return FeatureSpec(final=False, layers=tuple(sorted(set(self.target_layers(config)))), dtype=dtype)
+
+    def constants(self, store, config, init_heads=None):
+        if self.mask_token_id is not None:
+            mask = self.mask_token_id
+        elif init_heads is not None:
+            from specjax.proposers.dflash_net import load_dflash_heads
+
+            mask = int(load_dflash_heads(init_heads)[2]["mask_token_id"])
+        else:
+            seen = np.zeros(config.vocab_size, bool)
+            for i in range(len(store)):
+                seen[np.asarray(store.sequence(i)["tokens"])] = True
+            unused = np.flatnonzero(~seen)
+            mask = int(unused[-1]) if len(unused) else config.vocab_size - 1
+        if not 0 <= mask < config.vocab_size:
+            raise ValueError(f"mask_token_id {mask} is outside the vocabulary of {config.vocab_size}")
+        return {"mask_token_id": jnp.asarray(mask, jnp.int32)}
+
+    def init_params(self, key, frozen, config):
+        from specjax.proposers.dflash_net import init_dflash_params
+
+        layers = self.target_layers(config)
+        return init_dflash_params(key, self.draft_config(config), len(layers), config.hidden_size)
+
+    def loss(self, params, frozen, config, batch, key):
+        from specjax.proposers.dflash_net import dflash_blocks, dflash_fuse, dflash_logits
+
+        dcfg, base, k = self.draft_config(config), frozen["base"], self.block_size
+        tokens, answer = batch["tokens"], batch["mask"] & batch["valid"]
+        b, t = tokens.shape
+        anchors, ok = losses.sample_positions(key, answer & losses.shift_left(answer, 1), self.loss_positions)
+        n = anchors.shape[1]
+        at = anchors[..., None] + jnp.arange(k, dtype=jnp.int32)  # [B, N, K]
+        flat = jnp.minimum(at, t - 1).reshape(b, n * k)
+        labels = jnp.take_along_axis(tokens, flat, axis=1).reshape(b, n, k)
+        scored = (at < t) & jnp.take_along_axis(answer, flat, axis=1).reshape(b, n, k) & ok[..., None]
+        blocks = jnp.where(jnp.arange(k) == 0, labels, frozen["mask_token_id"])
+        feats = jnp.concatenate([batch[f"layer_{i}"] for i in self.target_layers(config)], -1)
+        context = dflash_fuse(params, dcfg, feats)
+        hidden = dflash_blocks(params, dcfg, base["embed"].astype(jnp.float32), context, blocks, anchors)
+        logits = dflash_logits(lm_head_weight(base).astype(jnp.float32), hidden[:, :, 1:])
+        return losses.dflash_loss(logits, labels[..., 1:], scored[..., 1:], self.gamma)
+
+    def export(self, params, frozen, config):
+        from specjax.proposers.dflash_net import dflash_head_variables
+
+        meta = {
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "target_layers": list(self.target_layers(config)),
+            "block_size": self.block_size,
+            "mask_token_id": int(frozen["mask_token_id"]),
+        }
+        return dflash_head_variables(self.draft_config(config), params, meta)
+
+    def params_from_heads(self, path, config):
+        from specjax.heads import check_compatible
+        from specjax.proposers.dflash_net import load_dflash_heads
+
+        dcfg, net, meta = load_dflash_heads(path)
+        check_compatible(meta, config, path)
+        got = (dcfg.num_layers, tuple(meta["target_layers"]), int(meta["block_size"]))
+        want = (self.num_layers, self.target_layers(config), self.block_size)
+        if got != want:
+            raise ValueError(
+                f"{path} holds a DFlash drafter of (layers, target layers, block size) = {got}, the run asks for {want}"
+            )
+        return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), net)
+
+    def proposer(self, heads_dir, model, **options):
+        from specjax.methods import make_proposer
+
+        return make_proposer("dflash", model, heads=str(heads_dir))
+
+
 METHODS: dict[str, type] = {
     "medusa": MedusaMethod,
     "eagle": EagleMethod,
     "eagle3": Eagle3Method,
     "redrafter": ReDrafterMethod,
+    "dflash": DFlashMethod,
 }
 
 
