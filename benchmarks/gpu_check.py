@@ -86,8 +86,20 @@ TINY = ModelConfig(
     head_dim=16,
     max_position_embeddings=1024,
 )
-METHODS = ("vanilla", "draft", "pld", "medusa", "eagle1", "eagle2", "eagle3", "redrafter", "lookahead")
-HEAD_METHODS = ("medusa", "eagle1", "eagle2", "eagle3", "redrafter")
+METHODS = (
+    "vanilla",
+    "draft",
+    "pld",
+    "suffix",
+    "medusa",
+    "eagle1",
+    "eagle2",
+    "eagle3",
+    "redrafter",
+    "lookahead",
+    "dflash",
+)
+HEAD_METHODS = ("medusa", "eagle1", "eagle2", "eagle3", "redrafter", "dflash")
 ORACLE_ACCEPTED = (2, 3, 4, 6)
 
 

@@ -201,7 +201,7 @@ def _redrafter(target: Model, config: RedrafterConfig):
 def _dflash(target: Model, config: DFlashConfig):
     """DFlash over a specjax "dflash" head checkpoint or a directory in the public format."""
     from specjax.proposers.dflash import DFlashProposer
-    from specjax.proposers.dflash_net import load_dflash
+    from specjax.proposers.dflash_format import load_dflash
 
     if config.heads is None:
         raise MethodError("method dflash needs `heads` PATH (DFlash drafter weights: specjax or the public format)")

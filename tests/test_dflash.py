@@ -317,9 +317,10 @@ def test_converter_reads_the_public_format(target, tmp_path, prefix):
     """convert: every tensor lands where the drafter reads it (specjax heads), the config's block
     size, target layers and mask token are kept, and the converted heads and the public
     directory itself both decode through `make_proposer` exactly like vanilla."""
-    from specjax.convert.dflash import is_dflash_dir, read_dflash
+    from specjax.convert.dflash import is_dflash_dir
     from specjax.convert.hf import convert_checkpoint
     from specjax.methods import make_proposer
+    from specjax.proposers.dflash_format import read_dflash
     from specjax.proposers.dflash_net import load_dflash_heads
 
     dc, params = random_drafter(target)
@@ -352,7 +353,7 @@ def test_converter_reads_the_public_format(target, tmp_path, prefix):
 
 def test_converter_refuses_what_it_cannot_read(target, tmp_path):
     from specjax.checkpoint import CheckpointError
-    from specjax.convert.dflash import read_dflash
+    from specjax.proposers.dflash_format import read_dflash
 
     dc, params = random_drafter(target)
     net = jax.tree_util.tree_map(np.asarray, params["net"])

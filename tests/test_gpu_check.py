@@ -69,7 +69,7 @@ def test_without_gpu_says_so_in_one_line():
 @pytest.mark.parametrize(
     "tp,dp,methods",
     [  # every method's programs lowered in the default tier
-        (2, 1, "vanilla,draft,pld,medusa,eagle1,eagle2,eagle3,redrafter,lookahead"),
+        (2, 1, "vanilla,draft,pld,suffix,medusa,eagle1,eagle2,eagle3,redrafter,lookahead,dflash"),
         pytest.param(2, 2, "vanilla,eagle2", marks=pytest.mark.slow),
     ],
 )

@@ -257,55 +257,6 @@ def load_dflash_heads(path) -> tuple[ModelConfig, dict, dict]:
     return config, net, meta
 
 
-def is_public_dflash_dir(path) -> bool:
-    """A directory in the public DFlash format (config.json naming a DFlash drafter, safetensors)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        return False
-    try:
-        import json
-
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    archs = " ".join(raw.get("architectures") or [])
-    return "DFlash" in archs or "dflash_config" in raw
-
-
-def load_dflash(heads, target):
-    """(drafter config, {"net", "embed", "lm_head"}, meta) of DFlash heads for `target` (a loaded
-    model): a specjax "dflash" checkpoint, or a directory in the public DFlash format read
-    through `specjax.convert.dflash`; weights in the target's dtype."""
-    from specjax.checkpoint import CheckpointError
-    from specjax.heads import check_compatible
-    from specjax.model import lm_head_weight
-    from specjax.proposers.eagle_net import cast_floats
-
-    if is_public_dflash_dir(heads) and not (Path(heads) / "specjax.json").exists():
-        from specjax.convert.dflash import read_dflash
-
-        config, net, meta = read_dflash(Path(heads))
-        net = jax.tree_util.tree_map(jnp.asarray, net)
-    else:
-        config, net, meta = load_dflash_heads(heads)
-    check_compatible(meta, target.config, heads)
-    layers = tuple(int(i) for i in meta["target_layers"])
-    if any(not 0 <= i < target.config.num_layers for i in layers):
-        raise CheckpointError(
-            f"DFlash heads {heads} read target layers {layers}, the target has {target.config.num_layers}"
-        )
-    if net["fc"].shape[1] != len(layers) * target.config.hidden_size:
-        raise CheckpointError(
-            f"DFlash heads {heads}: fc takes {net['fc'].shape[1]} features, "
-            f"{len(layers)} target layers give {len(layers) * target.config.hidden_size}"
-        )
-    if not 0 <= int(meta["mask_token_id"]) < target.config.vocab_size:
-        raise CheckpointError(f"DFlash heads {heads}: mask_token_id {meta['mask_token_id']} is outside the vocabulary")
-    dtype = target.params["embed"].dtype
-    params = {"net": cast_floats(net, dtype), "embed": target.params["embed"], "lm_head": lm_head_weight(target.params)}
-    return config, params, {**meta, "target_layers": layers}
-
-
 def random_dflash_checkpoint(target, out, num_layers: int = 2, block_size: int = 4, target_layers=None, seed: int = 0):
     """A specjax DFlash checkpoint with random weights for `target` (a `Model`): the mask token is
     the vocabulary's last id."""
