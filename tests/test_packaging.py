@@ -36,7 +36,8 @@ def test_shipped_heads_live_inside_the_package():
 
     package = Path(specjax.__file__).resolve().parent
     assert SHIPPED_HEADS.parent == package
-    for kind in set(HEAD_KINDS.values()):
+    # The DFlash drafter trained here does not ship: it lost to EAGLE-2/3 (docs/benchmarks.md).
+    for kind in set(HEAD_KINDS.values()) - {"dflash"}:
         assert (SHIPPED_HEADS / "smollm2-135m" / kind / "specjax.json").is_file(), kind
 
 
