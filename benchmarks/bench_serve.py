@@ -5,7 +5,8 @@ For each method the script starts a server in this process (the scheduler and th
 requests per concurrency level from that many client threads (greedy, up to --max-tokens new
 tokens), like genai-perf's fixed-concurrency runs; each level runs its prompts once untimed (it
 compiles the shapes they meet), then `--repeat` timed passes, the fastest reported (a shape
-first met in a timed pass compiles there). Per level: time to first token, inter-token
+first met in a timed pass compiles there), each with the prefix cache and suffix decoding's
+global cache emptied first (`@warm` keeps the global cache: the same requests come back). Per level: time to first token, inter-token
 latency (per request: (last - first token time) / (tokens - 1)), the longest wait between two
 streamed chunks of any request (what a long prompt's prefill costs the running ones), output
 tokens per second
@@ -145,6 +146,8 @@ def main():
         help="comma-separated METHOD[:key=value...] (make_proposer options); "
         "@fixed: verify whole trees (specjax serve --fixed-speculation); "
         "@whole: prefill whole prompts (--prefill-chunk 0); "
+        "@warm: keep suffix decoding's global cache from the untimed pass (the same requests "
+        "come back; otherwise the timed pass starts with it empty); "
         "@sampled: every request samples at one setting (T 0.8, top-p 0.95); "
         "@mixed: requests cycle through greedy and three sampling settings",
     )
@@ -169,6 +172,7 @@ def main():
     from specjax.bench import MethodSpec
     from specjax.compile_cache import enable_compile_cache
     from specjax.methods import make_proposer
+    from specjax.proposers.suffix_cache import caches_of
     from specjax.serving.scheduler import Scheduler
     from specjax.serving.server import create_app, running_in_thread
 
@@ -199,6 +203,9 @@ def main():
                 passes = []
                 for _ in range(args.repeat):
                     engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
+                    if "warm" not in suffixes:  # nor does it find its own answers in suffix caches
+                        for cache in caches_of(sched.proposer_params):
+                            cache.reset()
                     passes.append(run_level(url, prompts, c, args.max_tokens, settings))
                 records, wall = min(passes, key=lambda p: p[1])
                 texts = [r["text"] for r in records]
