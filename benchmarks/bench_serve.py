@@ -6,11 +6,11 @@ requests per concurrency level from that many client threads (greedy, up to --ma
 tokens), like genai-perf's fixed-concurrency runs; each level runs its prompts once untimed (it
 compiles the shapes they meet), then `--repeat` timed passes, the fastest reported (a shape
 first met in a timed pass compiles there), each with the prefix cache and suffix decoding's
-global cache emptied first (`@warm` keeps the global cache: the same requests come back). Per level: time to first token, inter-token
-latency (per request: (last - first token time) / (tokens - 1)), the longest wait between two
-streamed chunks of any request (what a long prompt's prefill costs the running ones), output
-tokens per second
-(all answers' tokens over the level's wall time) and mean accepted tokens per target pass
+global cache emptied first (`@warm` keeps the global cache: the same requests come back).
+Per level: time to first token, inter-token latency (per request: (last - first token time) /
+(tokens - 1)), the longest wait between two streamed chunks of any request (what a long
+prompt's prefill costs the running ones), output tokens per second (all answers' tokens over
+the level's wall time) and mean accepted tokens per target pass
 (from the responses' `usage`). Every answer is checked against the first method's (greedy:
 the same text). `@sampled` and `@mixed` runs sample (one setting for all, or four settings
 side by side in one batch; a seed per request).
