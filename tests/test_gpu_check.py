@@ -41,12 +41,14 @@ def test_smoke_run_writes_every_section(tmp_path):
         "vanilla",
         "draft",
         "pld",
+        "suffix",
         "medusa",
         "eagle1",
         "eagle2",
         "eagle3",
         "redrafter",
         "lookahead",
+        "dflash",
     }
     assert all(r["identical_to_vanilla"] for r in methods)
     oracle = data["sections"]["oracle"]["rows"]
