@@ -3,9 +3,11 @@
 For each method the script starts a server in this process (the scheduler and the HTTP API of
 `specjax serve`, on a free local port), warms it up, then sends `--requests` streamed chat
 requests per concurrency level from that many client threads (greedy, up to --max-tokens new
-tokens), like genai-perf's fixed-concurrency runs; each level runs its prompts once untimed (it
-compiles the shapes they meet), then `--repeat` timed passes, the fastest reported (a shape
-first met in a timed pass compiles there), each with the prefix cache and suffix decoding's
+tokens), like genai-perf's fixed-concurrency runs. All methods' servers run at once and take
+turns: each level runs its prompts once untimed on each (it compiles the shapes they meet), then
+`--repeat` rounds of one timed pass per method, method after method, so a slow spell of the
+machine falls on all of them; the fastest pass is reported (a shape first met in a timed pass
+compiles there), each with the prefix cache and suffix decoding's
 global cache emptied first (`@warm` keeps the global cache: the same requests come back).
 Per level: time to first token, inter-token latency (per request: (last - first token time) /
 (tokens - 1)), the longest wait between two streamed chunks of any request (what a long
@@ -22,6 +24,7 @@ side by side in one batch; a seed per request).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import threading
@@ -183,31 +186,38 @@ def main():
     prompts = read_prompts(Path(args.prompts), n)
     pages = args.max_batch * -(-(1024 + args.max_tokens + 64) // 16) + 8
     rows, probes, reference = [], [], None
-    for text in tqdm(args.methods.split(","), desc="methods"):
-        name, *suffixes = text.split("@")
-        spec = MethodSpec.parse(name)
-        proposer, pparams = make_proposer(spec.method, model, **dict(spec.options))
-        engine = Engine(model.params, model.config, num_pages=pages, page_size=16)
-        sched = Scheduler(
-            engine,
-            proposer,
-            pparams,
-            max_batch=args.max_batch,
-            prefill_chunk=None if "whole" in suffixes else args.prefill_chunk or None,
-            budget="fixed" not in suffixes,
-        )
-        with running_in_thread(create_app(sched, model.tokenizer, "m")) as url:
-            for c in tqdm(levels, desc=text, leave=False):
-                settings = lambda i: settings_of(suffixes, i)
-                run_level(url, prompts, c, args.max_tokens, settings)  # compiles what the level meets
-                passes = []
-                for _ in range(args.repeat):
-                    engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
+    with contextlib.ExitStack() as servers:
+        running = []  # (label, @-switches, scheduler, url): all up at once, so passes interleave
+        for text in tqdm(args.methods.split(","), desc="servers"):
+            name, *suffixes = text.split("@")
+            spec = MethodSpec.parse(name)
+            proposer, pparams = make_proposer(spec.method, model, **dict(spec.options))
+            engine = Engine(model.params, model.config, num_pages=pages, page_size=16)
+            sched = Scheduler(
+                engine,
+                proposer,
+                pparams,
+                max_batch=args.max_batch,
+                prefill_chunk=None if "whole" in suffixes else args.prefill_chunk or None,
+                budget="fixed" not in suffixes,
+            )
+            url = servers.enter_context(running_in_thread(create_app(sched, model.tokenizer, "m")))
+            running.append((text, suffixes, sched, url))
+        for c in tqdm(levels, desc="levels"):
+            passes = {text: [] for text, *_ in running}
+            for _, suffixes, _, url in running:  # compiles what the level meets
+                run_level(url, prompts, c, args.max_tokens, lambda i, s=suffixes: settings_of(s, i))
+            for _ in range(args.repeat):  # method after method, so a slow spell hits them all
+                for text, suffixes, sched, url in running:
+                    sched.engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
                     if "warm" not in suffixes:  # nor does it find its own answers in suffix caches
                         for cache in caches_of(sched.proposer_params):
                             cache.reset()
-                    passes.append(run_level(url, prompts, c, args.max_tokens, settings))
-                records, wall = min(passes, key=lambda p: p[1])
+                    passes[text].append(
+                        run_level(url, prompts, c, args.max_tokens, lambda i, s=suffixes: settings_of(s, i))
+                    )
+            for text, *_ in running:
+                records, wall = min(passes[text], key=lambda p: p[1])
                 texts = [r["text"] for r in records]
                 if reference is None:
                     reference = texts
@@ -216,10 +226,12 @@ def main():
                     "concurrency": c,
                     **summarize(records, wall),
                     "same_as_first_method": sum(a == b for a, b in zip(texts, reference)),
+                    "walls_s": [round(w, 2) for _, w in passes[text]],
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if args.probe_new_settings:
+        if args.probe_new_settings:
+            for text, _, _, url in running:
                 probe = {"method": text, **new_setting_probe(url, prompts[0], args.max_tokens)}
                 probes.append(probe)
                 print(json.dumps(probe), flush=True)

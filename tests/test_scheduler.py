@@ -270,24 +270,51 @@ def test_the_speculation_budget_keeps_answers_and_cuts_trees(target, kind):
     assert tried == set(sched.budget.widths) and 1 in tried and proposer.tree_size in tried
 
 
-def test_the_budget_picks_the_fastest_width_and_probes_the_others():
+def test_the_budget_picks_the_fastest_width_and_probes_the_others_ever_less():
+    """The server's choice among middle widths (`SpeculationBudget.segment`, as the engine's):
+    each width measured once first, the whole tree first; then the fastest, the others probed
+    after `probe_every` rounds, then after twice as many each time while they keep losing."""
     from specjax.serving.budget import SpeculationBudget
 
     b = SpeculationBudget((1, 4, 9), probe_every=4)
     measured = {9: (0.9, 2.5), 4: (0.4, 2.0), 1: (0.25, 1.0)}  # seconds per step, tokens
     tried = []
-    for _ in range(3):  # each width measured once first, the whole tree first
-        w = b.choose(8)
+    for _ in range(3):
+        w, probe = b.segment(8, False, max_gain=9)
+        assert probe
         tried.append(w)
         b.record(8, w, 10, 10 * measured[w][0], measured[w][1])
     assert tried == [9, 4, 1]
-    # tokens per second: 9 -> 2.78, 4 -> 5.0, 1 -> 4.0
-    picks = [b.choose(8) for _ in range(8)]
-    assert picks.count(4) == 6 and set(picks) - {4}  # every 4th round probes another width
+    # tokens per second: 9 -> 2.78, 4 -> 5.0, 1 -> 4.0; plain decoding's gain is known exactly
+    picks = [b.segment(8, False, max_gain=9) for _ in range(64)]
+    probes = [n for n, (w, probe) in enumerate(picks, 1) if probe]
+    assert [w for w, _ in picks].count(4) == 60 and probes == [5, 13, 29, 61]
+    assert all(picks[n - 1] == (9, True) for n in probes)
+    assert b.probe_steps(8, 9, 4) == 2 and b.probe_steps(8, 9, 1) == 1  # cut, never past a round
     b.record(1, 9, 10, 10 * 0.1, 2.5)  # a batch of one row: the whole tree is cheap there
     b.record(1, 4, 10, 10 * 0.09, 2.0)
     b.record(1, 1, 10, 10 * 0.08, 1.0)
-    assert b.choose(1) == 9
+    assert b.segment(1, False, max_gain=9) == (9, False)
+
+
+def test_the_server_never_probes_a_width_no_acceptance_could_pay_for(target):
+    """Rounds of a width whose step costs more than the tree's size times plain decoding's
+    never run (on a CPU at 16 rows a whole tree costs ~4x a plain step); answers stay exact."""
+    proposer, pparams = _proposer("eagle2", target)
+    prompts = _prompts(2, seed=4)
+    want = Engine(target, CFG, num_pages=64, page_size=8).generate(prompts, 40, eos_token_ids=()).token_ids
+    engine = Engine(target, CFG, num_pages=64, page_size=8)
+    sched = Scheduler(engine, proposer, pparams, max_batch=2, sync_steps=1, eos_token_ids=())
+    budget = sched.budget
+    for rows in (1, 2):
+        for w in budget.widths:  # as if measured: drafting 1000x dearer than plain decoding
+            budget.record(rows, w, 1, 0.001 if w == 1 else 1.0, 1.0 if w == 1 else 2.0)
+    sched.start()
+    got = [h.result(timeout=300) for h in [sched.submit(p, 40) for p in prompts]]
+    sched.stop()
+    assert got == want
+    assert sum(len(budget.cost[(r, 1)]) for r in (1, 2)) > 8  # 40 rounds at width 1
+    assert all(len(budget.cost[(r, w)]) == 1 for r in (1, 2) for w in budget.widths if w > 1)
 
 
 def test_the_engines_segments_probe_drafting_on_new_text():

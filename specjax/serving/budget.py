@@ -95,8 +95,8 @@ def budget_widths(proposer) -> tuple[int, ...]:
 class SpeculationBudget:
     """Chooses a step's budget for a batch of `rows`: the width of the highest measured tokens
     per second (tokens per running request per step, a running average, over seconds per step,
-    the least of the last 8 rounds), trying each width first and every `probe_every`-th round another one, so the
-    figures follow the load and the text."""
+    the least of the last 8 rounds), trying each width first and probing the others now and
+    then (`segment`), so the figures follow the load and the text."""
 
     def __init__(self, widths, probe_every: int = 16, decay: float = 0.8):
         self.widths = tuple(widths)
@@ -120,19 +120,9 @@ class SpeculationBudget:
         rate = {w: self.gain[w] / min(self.cost[(rows, w)]) for w in self.widths}
         return max(rate, key=rate.get)
 
-    def choose(self, rows: int) -> int:
-        n = self.rounds[rows] = self.rounds.get(rows, 0) + 1
-        for w in reversed(self.widths):
-            if (rows, w) not in self.cost or w not in self.gain:
-                return w  # not measured yet: try it (the whole tree first)
-        best = self.best(rows)
-        if n % self.probe_every == 0 and len(self.widths) > 1:
-            others = [w for w in self.widths if w != best]
-            return others[(n // self.probe_every) % len(others)]
-        return best
-
     def segment(self, rows: int, call_start: bool, max_gain: float) -> tuple[int, bool]:
-        """`Engine.generate`'s next segment: (width, probe), a probe being a short one. An
+        """The next segment of `Engine.generate`, or round of the scheduler: (width, probe), a
+        probe being a short one (`call_start`: new text, a call's start or a request admitted). An
         unmeasured width first, as a probe; else the best width, with every other drafting
         width probed after `probe_every` segments, and at a call's start (new text, new
         acceptance) if it was once the fastest (its best round's tokens per second beat the
@@ -164,13 +154,13 @@ class SpeculationBudget:
 
     def probe_steps(self, rows: int, width: int, steps: int) -> int:
         """How many steps a probe of `width` runs: `steps`, cut in proportion where a step of it
-        costs more than one of the best width (at least 2), so a probe of an expensive drafter
-        costs about what `steps` steps of the best would."""
+        costs more than one of the best width (at least 2, or `steps` if fewer), so a probe of
+        an expensive drafter costs about what `steps` steps of the best would."""
         best = self.best(rows)
         if best is None or best == width:
             return steps
         ratio = min(self.cost[(rows, best)]) / min(self.cost[(rows, width)])
-        return max(2, min(steps, round(steps * ratio)))
+        return min(steps, max(2, round(steps * ratio)))
 
     def _probe_due(self, key, now: int, first_wait: int) -> bool:
         """Whether the probe `key` runs at `now` (a segment or call count); if so, the next waits

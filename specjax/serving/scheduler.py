@@ -179,6 +179,7 @@ class Scheduler:
         self.engine, self.proposer, self.mesh = engine, proposer, engine.mesh
         proposer_params = engine._sharded(proposer, proposer_params)  # on the mesh, if any
         self.proposer_params, self.budget, self._plain = proposer_params, None, None
+        self._new_text = True  # a request was admitted since the last round: the budget may probe
         self._unremembered, self._remembered_at = [], time.perf_counter()
         self._twins: set = set()  # batch shapes whose two step programs are compiled
         if proposer is not None and budget and len(budget_widths(proposer)) > 1:
@@ -560,6 +561,7 @@ class Scheduler:
         if not filling:
             return state
         state = self._prefill(state, filling[: self.group])
+        self._new_text = True
         while self.offline and (self._take() or self._filling()):
             state = self._prefill(self._sized_tables(state), self._filling()[: self.group])
         return state
@@ -729,10 +731,17 @@ class Scheduler:
         for s in self.decoding():
             limits[s] = self.owner[s].max_new_tokens
         params, width, proposer = self.proposer_params, None, self.proposer
+        steps = self.sync_steps
         if proposer is not None:
             width = proposer.tree_size
         if self.budget is not None:
-            width = self.budget.choose(len(self.owner))
+            # as in Engine.generate: probes of a width that keeps losing wait ever longer and run
+            # fewer steps where a step costs more (at 16 rows on a CPU a whole tree costs ~4x)
+            rows = len(self.owner)
+            width, probe = self.budget.segment(rows, self._new_text, max_gain=proposer.tree_size)
+            self._new_text = False
+            if probe:
+                steps = self.budget.probe_steps(rows, width, steps)
             params = {**params, "budget": jnp.int32(width)}
             if width == 1 and self._plain is not None:
                 proposer = self._plain
@@ -746,7 +755,7 @@ class Scheduler:
             jnp.asarray(limits),
             jnp.asarray(self.eos, jnp.int32).reshape(-1),
             jnp.int32(self.refill),
-            jnp.int32(self.sync_steps),
+            jnp.int32(steps),
         )
         self._compile_twin(args)
         t0 = time.perf_counter()
