@@ -87,7 +87,8 @@ def main(argv=None):
     proposer, proposer_params = make_proposer(args.method, model, **options)
     from specjax.sampling import SamplingConfig
 
-    kw = dict(proposer=proposer, proposer_params=proposer_params) if proposer else {}
+    # whole trees every step, in one loop on the device (the budget's segments would mix widths)
+    kw = dict(proposer=proposer, proposer_params=proposer_params, fixed_speculation=True) if proposer else {}
     kw["sampling"] = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     engine.generate([ids], args.max_new_tokens, warmup=True, **kw)  # compiles (and dumps HLO)
     trace = os.path.join(work, "trace")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 from typing import Any
 
 import jax
@@ -95,14 +96,14 @@ def budget_widths(proposer) -> tuple[int, ...]:
 class SpeculationBudget:
     """Chooses a step's budget for a batch of `rows`: the width of the highest measured tokens
     per second (tokens per running request per step, a running average, over seconds per step,
-    the least of the last 8 rounds), trying each width first and probing the others now and
+    the median of the last 8 rounds), trying each width first and probing the others now and
     then (`segment`), so the figures follow the load and the text."""
 
     def __init__(self, widths, probe_every: int = 16, decay: float = 0.8):
         self.widths = tuple(widths)
         self.probe_every, self.decay = probe_every, decay
-        # (rows, width) -> the last seconds-per-step figures; their least is the cost (a round
-        # that compiled a new shape, or shared the CPU, reads high)
+        # (rows, width) -> the last seconds-per-step figures; their median is the cost (rounds
+        # that compiled a new shape are not recorded; one that shared the CPU reads high)
         self.cost: dict[tuple[int, int], collections.deque] = {}
         self.gain: dict[int, float] = {1: 1.0}  # width -> new tokens per request per step
         self.peak: dict[int, float] = {1: 1.0}  # width -> the most of any one round
@@ -112,12 +113,18 @@ class SpeculationBudget:
         # the wait that led there, doubled by each probe until the width is the best again)
         self.next_probe: dict[tuple, tuple[int, int]] = {}
 
+    def cost_of(self, rows: int, width: int) -> float:
+        """Seconds per step of `width` at `rows`: the median of the last 8 rounds. Not their
+        least: a width's real verify width varies (a graft's chain is there or not), and one
+        cheap round without a chain had made a 16-row EAGLE-2 tree look affordable."""
+        return statistics.median(self.cost[(rows, width)])
+
     def best(self, rows: int) -> int | None:
         """The width of the highest measured tokens per second for `rows` (None: some width is
         not measured yet)."""
         if any((rows, w) not in self.cost or w not in self.gain for w in self.widths):
             return None
-        rate = {w: self.gain[w] / min(self.cost[(rows, w)]) for w in self.widths}
+        rate = {w: self.gain[w] / self.cost_of(rows, w) for w in self.widths}
         return max(rate, key=rate.get)
 
     def segment(self, rows: int, call_start: bool, max_gain: float) -> tuple[int, bool]:
@@ -138,7 +145,7 @@ class SpeculationBudget:
         n = self.rounds[rows] = self.rounds.get(rows, 0) + 1
         if call_start:
             self.calls[rows] = self.calls.get(rows, 0) + 1
-        cost = {w: min(self.cost[(rows, w)]) for w in self.widths}
+        cost = {w: self.cost_of(rows, w) for w in self.widths}
         for kind in ("segment", "call"):  # the best width's probes start afresh
             self.next_probe.pop((kind, rows, best), None)
         may_pay = [w for w in self.widths if w not in (1, best) and cost[w] < max_gain * cost[best]]
@@ -159,7 +166,7 @@ class SpeculationBudget:
         best = self.best(rows)
         if best is None or best == width:
             return steps
-        ratio = min(self.cost[(rows, best)]) / min(self.cost[(rows, width)])
+        ratio = self.cost_of(rows, best) / self.cost_of(rows, width)
         return min(steps, max(2, round(steps * ratio)))
 
     def _probe_due(self, key, now: int, first_wait: int) -> bool:
