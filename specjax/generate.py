@@ -290,7 +290,9 @@ class Engine:
         # saves (the server, with many rounds, also tries the drafter's likely widths)
         widths = (1, proposer.tree_size)
         budgeted = BudgetedProposer(proposer, widths)
-        plain = budgeted.without_drafting() or None  # None: `advance`'s plain decoding steps
+        # None: `advance`'s plain decoding steps (vanilla's; for a drafter that cannot skip
+        # drafting they leave its state behind)
+        plain = None if proposer.plain_step_is_vanilla else budgeted.without_drafting()
         budget = self._budgets.setdefault((proposer, b), SpeculationBudget(widths, ENGINE_PROBE_EVERY, ENGINE_DECAY))
         limits = jnp.broadcast_to(limit, (b,))
         refill = jnp.int32(b + 1)  # never stop for finished rows before every row is done

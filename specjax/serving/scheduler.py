@@ -186,7 +186,10 @@ class Scheduler:
             self.proposer = BudgetedProposer(proposer, budget_widths(proposer))
             self.proposer_params = {"base": proposer_params, "budget": jnp.int32(proposer.tree_size)}
             self.budget = SpeculationBudget(budget_widths(proposer))
-            self._plain = self.proposer.without_drafting()  # width 1 without the draft's cost
+            # what width 1 runs: vanilla's decode step (a drafter that keeps no state), else a
+            # program without the draft's cost, else the drafter with its tree cut to the root
+            plain = None if proposer.plain_step_is_vanilla else self.proposer.without_drafting()
+            self._plain = plain if plain is not None or proposer.plain_step_is_vanilla else self.proposer
         self.max_batch, self.max_queue, self.sync_steps = max_batch, max_queue, sync_steps
         self.group = min(admit_group, max_batch)
         eos = engine.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
@@ -685,7 +688,7 @@ class Scheduler:
         """On a batch shape first met, compile the other of the two step programs (drafting,
         and drafting off at width 1) too, so that the budget's first switch between them does
         not stall every running request while it compiles."""
-        if self._plain is None:
+        if self.budget is None or self._plain is self.proposer:
             return
         key = _twin_key(args)
         if key in self._twins:
@@ -743,7 +746,7 @@ class Scheduler:
             if probe:
                 steps = self.budget.probe_steps(rows, width, steps)
             params = {**params, "budget": jnp.int32(width)}
-            if width == 1 and self._plain is not None:
+            if width == 1:
                 proposer = self._plain
         args = (
             self.engine.params,
