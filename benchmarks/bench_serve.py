@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import threading
@@ -206,16 +207,15 @@ def main():
         for c in tqdm(levels, desc="levels"):
             passes = {text: [] for text, *_ in running}
             for _, suffixes, _, url in running:  # compiles what the level meets
-                run_level(url, prompts, c, args.max_tokens, lambda i, s=suffixes: settings_of(s, i))
+                run_level(url, prompts, c, args.max_tokens, functools.partial(settings_of, suffixes))
             for _ in range(args.repeat):  # method after method, so a slow spell hits them all
                 for text, suffixes, sched, url in running:
                     sched.engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
                     if "warm" not in suffixes:  # nor does it find its own answers in suffix caches
                         for cache in caches_of(sched.proposer_params):
                             cache.reset()
-                    passes[text].append(
-                        run_level(url, prompts, c, args.max_tokens, lambda i, s=suffixes: settings_of(s, i))
-                    )
+                    settings = functools.partial(settings_of, suffixes)
+                    passes[text].append(run_level(url, prompts, c, args.max_tokens, settings))
             for text, *_ in running:
                 records, wall = min(passes[text], key=lambda p: p[1])
                 texts = [r["text"] for r in records]

@@ -186,10 +186,10 @@ class Scheduler:
             self.proposer = BudgetedProposer(proposer, budget_widths(proposer))
             self.proposer_params = {"base": proposer_params, "budget": jnp.int32(proposer.tree_size)}
             self.budget = SpeculationBudget(budget_widths(proposer))
-            # what width 1 runs: vanilla's decode step (a drafter that keeps no state), else a
-            # program without the draft's cost, else the drafter with its tree cut to the root
-            plain = None if proposer.plain_step_is_vanilla else self.proposer.without_drafting()
-            self._plain = plain if plain is not None or proposer.plain_step_is_vanilla else self.proposer
+            # what width 1 runs: vanilla's decode step (None; a drafter that keeps no state),
+            # else a program without the draft's cost, else the drafter with its tree cut to the root
+            if not proposer.plain_step_is_vanilla:
+                self._plain = self.proposer.without_drafting() or self.proposer
         self.max_batch, self.max_queue, self.sync_steps = max_batch, max_queue, sync_steps
         self.group = min(admit_group, max_batch)
         eos = engine.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
