@@ -123,6 +123,12 @@ def new_setting_probe(url, prompt: str, max_tokens: int) -> dict:
     return {"warm_s": warm, "new_settings_s": new, "worst_vs_warm": round(max(new) / warm, 2)}
 
 
+def _ms(values, stat, digits):
+    """`stat` of `values` in ms; None when there are none (every answer in one streamed chunk
+    has no inter-token gap)."""
+    return round(1000 * stat(values), digits) if values else None
+
+
 def summarize(records, wall):
     ttft = [r["ttft"] for r in records if r["ttft"] is not None]
     itl = [r["itl"] for r in records if r["itl"] is not None]
@@ -132,9 +138,9 @@ def summarize(records, wall):
         "output_tokens": tokens,
         "seconds": round(wall, 2),
         "output_tokens_per_s": round(tokens / wall, 2),
-        "ttft_ms_mean": round(1000 * statistics.mean(ttft), 1),
-        "ttft_ms_p50": round(1000 * statistics.median(ttft), 1),
-        "itl_ms_mean": round(1000 * statistics.mean(itl), 2),
+        "ttft_ms_mean": _ms(ttft, statistics.mean, 1),
+        "ttft_ms_p50": _ms(ttft, statistics.median, 1),
+        "itl_ms_mean": _ms(itl, statistics.mean, 2),
         "stall_ms_max": round(1000 * max(r["stall"] or 0 for r in records), 1),
         "tokens_per_step": round(tokens / sum(r["steps"] for r in records), 3),
     }

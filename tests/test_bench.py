@@ -124,8 +124,9 @@ def test_resume_reruns_a_record_whose_prompt_changed(tiny_llama, tmp_path):
 
 
 def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file, tmp_path, capsys):
-    """--temperature/--top-p: every method samples; rows say nothing of equal outputs; the
-    same seed gives the same tokens, another seed other tokens."""
+    """--temperature/--top-p: every method samples; rows say nothing of equal outputs; with
+    --fixed-speculation the same seed gives the same tokens, another seed other tokens (with the
+    budget, the widths and so the draws depend on measured time: same distribution, other draws)."""
 
     def run(out, seed):
         args = [
@@ -146,6 +147,7 @@ def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file
             "0.9",
             "--seed",
             str(seed),
+            "--fixed-speculation",
         ]
         assert main(args) == 0
         res = json.loads((out / "results.json").read_text())
@@ -177,6 +179,7 @@ def test_sampled_bench_is_seeded_and_compares_no_outputs(tiny_llama, prompt_file
                 "0.9",
                 "--seed",
                 "4",
+                "--fixed-speculation",
             ]
         )
         != 0
