@@ -69,19 +69,36 @@ def decode_step(
     params, config: ModelConfig, sampling: SamplingConfig, s: DecodeState, max_new_tokens, eos_ids
 ) -> DecodeState:
     """One vanilla decoding step: every unfinished sequence appends one sampled token."""
+    return decode_step_with_features(params, config, sampling, s, max_new_tokens, eos_ids)[0]
+
+
+def decode_step_with_features(
+    params, config: ModelConfig, sampling: SamplingConfig, s: DecodeState, max_new_tokens, eos_ids, feature_layers=()
+):
+    """`decode_step`, and the features [B, F] of the pending token it read (the final hidden
+    state, or with `feature_layers` those layers' outputs concatenated, as `prefill`'s): a
+    drafter that defers its update stores them (`spec_decode.recorded_decode_step`)."""
     b = s.tokens.shape[0]
     rows = jnp.arange(b)
     pending = s.tokens[rows, s.lengths - 1][:, None]
     positions = (s.lengths - 1)[:, None]
     out = forward(
-        params, config, pending, positions, s.cache, jnp.ones((b, 1, 1), bool), logits_at=jnp.zeros((b, 1), jnp.int32)
+        params,
+        config,
+        pending,
+        positions,
+        s.cache,
+        jnp.ones((b, 1, 1), bool),
+        logits_at=jnp.zeros((b, 1), jnp.int32),
+        hidden_layers=feature_layers,
     )
+    hidden = jnp.concatenate(out.layer_hiddens, -1) if feature_layers else out.hidden
     keys = jax.vmap(jax.random.fold_in)(s.keys, s.lengths)
     nxt = sample_tokens(out.logits[:, 0], keys, sampling)
     active = ~s.done
     tokens, lengths, done = append_until_stop(s, nxt[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, eos_ids)
     cache = out.cache.replace(lengths=out.cache.lengths + active)
-    return s.replace(tokens=tokens, lengths=lengths, done=done, steps=s.steps + active, cache=cache)
+    return s.replace(tokens=tokens, lengths=lengths, done=done, steps=s.steps + active, cache=cache), hidden[:, 0]
 
 
 def keep_decoding(done, stop_done=None):

@@ -19,7 +19,7 @@ from specjax.accept import AcceptResult, accept, accept_draws
 from specjax.attention import attention_mesh
 from specjax.batching import DecodeState, append_until_stop
 from specjax.commit import commit
-from specjax.decoding import decode_step
+from specjax.decoding import decode_step, decode_step_with_features
 from specjax.draft_tree import DraftTree
 from specjax.model_config import ModelConfig
 from specjax.sampling import SamplingConfig, argmax_last
@@ -106,10 +106,23 @@ class ProposerBase:
     # step that drafts nothing may be vanilla's own decode step, ~4% cheaper than a spec step
     # verifying the root alone (16 rows on a 2-core CPU)
     plain_step_is_vanilla: bool = False
+    # update() may wait while steps draft nothing: record() stores what it needs of a plain
+    # decode step (EAGLE: the target's features at the decoded position) and propose() first
+    # catches up on it in wide passes. A budget's width 1 is then vanilla's decode step plus
+    # that store, not a spec step updating the drafter token by token (+8-10% at 16 rows)
+    defers_update: bool = False
+    # the step is vanilla's decode step plus record() (`recorded_decode_step`): a budget's
+    # width 1 of a drafter that defers_update
+    plain_decode: bool = False
     # the draft network's decoder config (None: none), and whether sharding may split its
     # layers over tensor-parallel devices like the target's (else they stay replicated)
     config = None
     splits_draft_layers: bool = True
+
+    def record(self, params, state, block_tables, positions, features, active):
+        """State after a plain decode step that read `positions` (int32[B]) and gave the target
+        `features` [B, F] there (proposers that set `defers_update`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer its update")
 
     @property
     def draft_scratch(self) -> int:
@@ -224,6 +237,8 @@ def spec_step(
     eos_ids,
 ) -> SpecState:
     """One speculative step for every unfinished sequence."""
+    if proposer.plain_decode:
+        return recorded_decode_step(params, config, proposer, proposer_params, sampling, state, max_new_tokens, eos_ids)
     b = state.tokens.shape[0]
     active = ~state.done
     ctx = SpecContext(state.tokens, state.lengths, state.cache.block_tables, state.features)
@@ -279,6 +294,22 @@ def spec_step(
         proposer_state=pstate,
         accepted_hist=hist,
     )
+
+
+def recorded_decode_step(
+    params, config: ModelConfig, proposer, proposer_params, sampling: SamplingConfig, state: SpecState, limits, eos_ids
+) -> SpecState:
+    """A step that drafts nothing, for a drafter that `defers_update`: vanilla's decode step,
+    its features at the pending token handed to `record` (the drafter catches up when it
+    drafts again), the step counted as one that accepted no drafted token."""
+    active = ~state.done
+    new, hidden = decode_step_with_features(params, config, sampling, state, limits, eos_ids, proposer.feature_layers)
+    features = jnp.where(active[:, None], hidden.astype(state.features.dtype), state.features)
+    pstate = proposer.record(
+        proposer_params, state.proposer_state, state.cache.block_tables, state.lengths - 1, features, active
+    )
+    hist = state.accepted_hist.at[:, 0].add(active.astype(jnp.int32))
+    return new.replace(features=features, proposer_state=pstate, accepted_hist=hist)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "proposer", "mesh"), donate_argnames=("state",))

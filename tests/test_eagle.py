@@ -117,6 +117,87 @@ def test_update_rebuilds_pairs_with_true_features(target):
         np.testing.assert_allclose(np.asarray(a[:, :3]), np.asarray(b[:, :3]), rtol=1e-4, atol=1e-5)
 
 
+def test_recorded_plain_steps_catch_up_to_the_token_by_token_state(target):
+    """Three plain decode steps recorded (`record`), then caught up two positions per pass,
+    equal init over the longer text: same draft length, next prediction and committed K/V."""
+    import numpy as np
+
+    from specjax.draft_tree import chain
+    from specjax.verify import verify
+
+    draft_cfg, net = random_eagle(jax.random.PRNGKey(5))
+    proposer = EagleChainProposer(draft_cfg, max_draft_len=3)
+    object.__setattr__(proposer, "CATCH_UP", 2)  # the 3 recorded pairs take two passes
+    pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
+    full = [3, 9, 27, 17, 51, 25, 11, 33, 35, 41, 7, 8, 2]
+    short, ctx = _draft_state(target, proposer, pparams, full[:10])
+    # the target's features at positions 9, 10, 11 (pending 41, then 7 and 8 decoded plainly)
+    cache = _prefilled_cache(target, full[:10])
+    hidden = verify(target, CFG, cache, chain(jnp.asarray([41]), jnp.asarray([[7, 8]]), jnp.asarray([2]))).hidden
+    state = short
+    for i in range(3):
+        at, on = jnp.asarray([9 + i]), jnp.asarray([True])
+        state = proposer.record(pparams, state, ctx.block_tables, at, hidden[:, i], on)
+    assert int(state.lengths[0]) == 9  # recording runs no draft pass
+    buf = jnp.zeros_like(ctx.tokens).at[0, :13].set(jnp.asarray(full))
+    caught = jax.jit(proposer._caught_up)(pparams, state, ctx.replace(tokens=buf, lengths=jnp.asarray([13])))
+    long, _ = _draft_state(target, proposer, pparams, full)
+    assert int(caught.lengths[0]) == int(long.lengths[0]) == 12
+    np.testing.assert_allclose(np.asarray(caught.next_hidden), np.asarray(long.next_hidden), rtol=1e-4, atol=1e-5)
+    for a, b in zip(caught.k_pages, long.k_pages):  # slots 0..11 live in pages 0..2
+        np.testing.assert_allclose(np.asarray(a[:, :3]), np.asarray(b[:, :3]), rtol=1e-4, atol=1e-5)
+    again = jax.jit(proposer._caught_up)(pparams, caught, ctx.replace(tokens=buf, lengths=jnp.asarray([13])))
+    assert int(again.lengths[0]) == 12  # nothing left to catch up on: no pass
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_plain_segments_then_drafting_draft_as_if_updated_token_by_token(target, kind, monkeypatch):
+    """With the budget forced to alternate plain and drafting segments of 3 steps, an EAGLE
+    drafter that records plain steps and catches up drafts the very trees of one updated on
+    every token, and both decode vanilla's tokens."""
+    import numpy as np
+
+    import specjax.generate
+    from specjax.serving.budget import SpeculationBudget
+
+    if kind == "eagle3":
+        draft_cfg, pparams, layers = random_eagle3(target, jax.random.PRNGKey(4))
+        options = {"net": Eagle3Net(layers)}
+    else:
+        draft_cfg, net = random_eagle(jax.random.PRNGKey(3))
+        pparams, options = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}, {}
+    trees = {True: [], False: []}
+
+    @dataclasses.dataclass(frozen=True)
+    class Seen(EagleDynamicProposer):
+        def _propose(self, params, state, ctx, keys, sampling):
+            tree, state = super()._propose(params, state, ctx, keys, sampling)
+            jax.debug.callback(lambda t, d=self.defers_update: trees[d].append(np.asarray(t)), tree.tokens)
+            return tree, state
+
+    @dataclasses.dataclass(frozen=True)
+    class TokenByToken(Seen):
+        defers_update = False
+
+    calls = iter(range(10**6))
+    monkeypatch.setattr(SpeculationBudget, "segment", lambda self, rows, start, max_gain: (next(calls) % 2 or 8, False))
+    monkeypatch.setattr(specjax.generate, "SEGMENT_STEPS", 3)
+    eng = Engine(target, CFG, num_pages=256, page_size=4)
+    vanilla = eng.generate(PROMPTS, 30, eos_token_ids=())
+    for cls in (Seen, TokenByToken):
+        out = eng.generate(
+            PROMPTS,
+            30,
+            eos_token_ids=(),
+            proposer=cls(draft_cfg, total_tokens=8, depth=3, top_k=3, **options),
+            proposer_params=pparams,
+        )
+        assert out.token_ids == vanilla.token_ids
+    assert len(trees[True]) == len(trees[False]) >= 12  # 5 drafting segments of 3 steps, the warm-up
+    for a, b in zip(trees[True], trees[False]):
+        np.testing.assert_array_equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # Trees: EAGLE-1 (static) and EAGLE-2 (dynamic)
 
@@ -138,6 +219,19 @@ def test_tree_greedy_equals_vanilla(target, name):
     vanilla = eng.generate(PROMPTS, 24, eos_token_ids=())
     spec = eng.generate(PROMPTS, 24, eos_token_ids=(), proposer=proposer, proposer_params=pparams)
     assert spec.token_ids == vanilla.token_ids
+
+
+def _prefilled_cache(target, prompt):
+    """The target's cache after prefilling `prompt` (batch 1, the pending token not written)."""
+    from specjax import PagedKVCache
+    from specjax.cache import init_pages
+    from specjax.generate import prefill
+
+    n = len(prompt)
+    k, v = init_pages(CFG, 32, 4)
+    cache = PagedKVCache(k, v, jnp.arange(24, dtype=jnp.int32)[None], jnp.zeros(1, jnp.int32))
+    chunk = jnp.zeros((1, 16), jnp.int32).at[0, : n - 1].set(jnp.asarray(prompt[:-1]))
+    return prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]))[0]
 
 
 def _draft_state(target, proposer, pparams, prompt, feature_layers=()):

@@ -73,6 +73,9 @@ class Distinct(ProposerBase):
     resumes_from_prefix_pairs: bool = True
     feature_layers: tuple = (1, 2, 3)
     propose_may_be_skipped: bool = True
+    plain_step_is_vanilla: bool = True
+    defers_update: bool = True
+    plain_decode: bool = True
     config: str = "a draft config"
     splits_draft_layers: bool = False
     draft_scratch: int = 11

@@ -394,7 +394,7 @@ def test_eagle_init_resumes_from_shared_prefix_pairs(target):
             0,
             other_feats.astype(np.float32),
         )
-        return _eagle_init(proposer, pparams, (left.k_pages, left.v_pages), mine, [8, 9, 10, 12, 13], 24, feats[24:])
+        return _eagle_init(proposer, pparams, proposer.pools_of(left), mine, [8, 9, 10, 12, 13], 24, feats[24:])
 
     same = resumed(prefix[24])
     np.testing.assert_allclose(same.next_hidden, alone.next_hidden, rtol=1e-5, atol=1e-5)

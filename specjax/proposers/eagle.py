@@ -4,6 +4,10 @@ The draft cache holds one entry per position t: the pair (target feature of toke
 After each step `update` rewrites the accepted positions with the target's TRUE features (the
 verify pass's hidden states along the accepted path), so drafting always starts from exact
 features; the draft output of the last pair predicts the first drafted token of the next step.
+While a budget runs plain decode steps (width 1), the update waits: `record` stores the target's
+features per position in a paged pool beside the draft cache, and the next `propose` first runs
+the recorded pairs through the network in wide passes (`_caught_up`, as `init` runs a prompt's),
+so a plain step costs vanilla's decode step and the drafts are those of a token-by-token update.
 
 Three ways to draft from that state, verified with the lossless `match` rule (the candidates are
 the draft's top tokens, a deterministic function of the context); when sampling, EAGLE-2/3 under
@@ -95,8 +99,11 @@ EAGLE_DEFAULT_TREE = (
 class EagleState:
     k_pages: list
     v_pages: list
-    lengths: jax.Array  # the draft cache holds pairs for positions < lengths (= length - 1)
+    lengths: jax.Array  # the draft cache holds pairs for positions < lengths (<= length - 1)
     next_hidden: jax.Array  # [B, D] draft output of the last pair: predicts the first draft
+    # [num_pages + 1, page_size, D], paged like the caches: the target's features (as the
+    # network reads them) that plain decode steps recorded at positions >= lengths
+    feature_pages: jax.Array
 
     def cache(self, block_tables) -> PagedKVCache:
         return PagedKVCache(self.k_pages, self.v_pages, block_tables, self.lengths)
@@ -116,6 +123,10 @@ class _EagleBase(ProposerBase):
     needs_prompt_features: bool = True
     resumes_from_prefix_pairs: bool = True
     min_prob: float = 0.0  # top-k trees: verify only drafts of cumulative probability >= this
+    # plain decode steps record the target's features (`record`); propose() first runs the
+    # recorded pairs through the network, CATCH_UP positions per row per pass
+    defers_update = True
+    CATCH_UP = 16
 
     @property
     def feature_layers(self) -> tuple:
@@ -161,7 +172,8 @@ class _EagleBase(ProposerBase):
         return processed_logprobs(logits, sampling), ids.astype(jnp.int32)
 
     def make_pools(self, num_pages, page_size, dtype):
-        return init_pages(self.config, num_pages, page_size, dtype)
+        k, v = init_pages(self.config, num_pages, page_size, dtype)
+        return k, v, jnp.zeros((num_pages + 1, page_size, self.config.hidden_size), dtype)
 
     def _run_chain(self, params, cache, tokens, features, start, valid):
         b, t = tokens.shape
@@ -180,7 +192,51 @@ class _EagleBase(ProposerBase):
         feats = self._target_features(params, ctx.prompt_hidden)
         h, cache = self._run_chain(params, cache, nxt, feats, start, valid)
         last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-        return EagleState(cache.k_pages, cache.v_pages, prompt_len, last)
+        return EagleState(cache.k_pages, cache.v_pages, prompt_len, last, pools[2])
+
+    @staticmethod
+    def _feature_slots(state: EagleState, block_tables, positions):
+        """(page, slot) of `positions` [B, N] in the feature pool, through the block tables."""
+        ps = state.feature_pages.shape[1]
+        at = jnp.clip(positions // ps, 0, block_tables.shape[1] - 1)
+        return jnp.take_along_axis(block_tables, at, axis=1), positions % ps
+
+    def record(self, params, state: EagleState, block_tables, positions, features, active):
+        """The features of a plain decode step's position, stored for `_caught_up` (inactive
+        rows write to the sink page); the draft cache and `lengths` stay where they were."""
+        page, slot = self._feature_slots(state, block_tables, positions[:, None])
+        page = jnp.where(active[:, None], page, state.feature_pages.shape[0] - 1)
+        feats = self._target_features(params, features[:, None]).astype(state.feature_pages.dtype)
+        return state.replace(feature_pages=state.feature_pages.at[page, slot].set(feats))
+
+    def _caught_up(self, params, state: EagleState, ctx):
+        """The state with every pair up to the pending token in the draft cache: the pairs that
+        plain decode steps recorded run through the network CATCH_UP positions per row per
+        pass, as init() runs a prompt's (no pass at all when nothing was recorded)."""
+        b, c = ctx.tokens.shape[0], self.CATCH_UP
+        target = ctx.lengths - 1
+        rows, idx = jnp.arange(b)[:, None], jnp.arange(c)[None, :]
+
+        def run(st):
+            count = jnp.clip(target - st.lengths, 0, c)
+            pos = st.lengths[:, None] + idx
+            page, slot = self._feature_slots(st, ctx.block_tables, pos)
+            tok = ctx.tokens[rows, jnp.clip(pos + 1, 0, ctx.tokens.shape[1] - 1)]
+            valid = idx < count[:, None]
+            feats = st.feature_pages[page, slot]
+            h, cache = self._run_chain(params, st.cache(ctx.block_tables), tok, feats, st.lengths, valid)
+            last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+            return st.replace(
+                k_pages=cache.k_pages,
+                v_pages=cache.v_pages,
+                lengths=st.lengths + count,
+                next_hidden=jnp.where((count > 0)[:, None], last, st.next_hidden),
+            )
+
+        return jax.lax.while_loop(lambda st: jnp.any(st.lengths < target), run, state)
+
+    def propose(self, params, state: EagleState, ctx, keys, sampling):
+        return self._propose(params, self._caught_up(params, state, ctx), ctx, keys, sampling)
 
     def update(self, params, state: EagleState, ctx, result, active):
         b, t = result.path.shape
@@ -193,15 +249,15 @@ class _EagleBase(ProposerBase):
         feats = self._target_features(params, ctx.path_hidden)
         h, cache = self._run_chain(params, cache, tok, feats, start, valid)
         last = jnp.take_along_axis(h, result.n_accepted[:, None, None], axis=1)[:, 0]
-        return EagleState(
-            cache.k_pages,
-            cache.v_pages,
-            jnp.where(active, start + result.n_accepted + 1, start),
-            jnp.where(active[:, None], last, state.next_hidden),
+        return state.replace(
+            k_pages=cache.k_pages,
+            v_pages=cache.v_pages,
+            lengths=jnp.where(active, start + result.n_accepted + 1, start),
+            next_hidden=jnp.where(active[:, None], last, state.next_hidden),
         )
 
     def pools_of(self, state: EagleState):
-        return (state.k_pages, state.v_pages)
+        return (state.k_pages, state.v_pages, state.feature_pages)
 
     @staticmethod
     def _pending(ctx):
@@ -220,7 +276,7 @@ class EagleChainProposer(_EagleBase):
     def tree_size(self) -> int:
         return self.max_draft_len + 1
 
-    def propose(self, params, state: EagleState, ctx, keys, sampling):
+    def _propose(self, params, state: EagleState, ctx, keys, sampling):
         b = ctx.tokens.shape[0]
         logp0, first = (x[:, 0] for x in self._top(params, state.next_hidden, 1))
         one = jnp.ones((b, 1), bool)
@@ -279,7 +335,7 @@ class EagleTreeProposer(_EagleBase):
             anc[i] |= anc[parent[i]]
         return parent, depth, rank, anc
 
-    def propose(self, params, state: EagleState, ctx, keys, sampling):
+    def _propose(self, params, state: EagleState, ctx, keys, sampling):
         """Under the `recursive` rule when sampling, rank r is the r-th draw without replacement
         from the draft's (processed) q after the parent, each parent with its own key."""
         parent, depth, rank, anc = self._topology()
@@ -424,7 +480,7 @@ class EagleDynamicProposer(_EagleBase):
         )
         return h, cache, mask
 
-    def propose(self, params, state: EagleState, ctx, keys, sampling):
+    def _propose(self, params, state: EagleState, ctx, keys, sampling):
         if self.rule in DRAWN_RULES and not sampling.greedy:
             return self._propose_sampled(params, state, ctx, keys, sampling)
         b, k = ctx.tokens.shape[0], self.top_k

@@ -143,6 +143,9 @@ class LookupGraftProposer(ProposerWrapper):
     def update(self, params, state, ctx, result, active):
         return self.base.update(self._split(params)[0], state, ctx, result, active)
 
+    def record(self, params, state, block_tables, positions, features, active):
+        return self.base.record(self._split(params)[0], state, block_tables, positions, features, active)
+
     def propose(self, params, state, ctx, keys, sampling):
         base_params, lookup_params = self._split(params)
         tree, state = self.base.propose(base_params, state, ctx, keys, sampling)

@@ -68,10 +68,19 @@ class BudgetedProposer(ProposerWrapper):
         )
         return tree, state
 
+    @property
+    def plain_decode(self) -> bool:
+        """Drafting off over a base that defers its update: vanilla's decode step and `record`."""
+        return not self.drafting and self.base.defers_update
+
+    def record(self, params, state, block_tables, positions, features, active):
+        return self.base.record(params["base"], state, block_tables, positions, features, active)
+
     def without_drafting(self) -> "BudgetedProposer | None":
         """The same proposer with drafting off (width 1 without the draft's cost: a program of
         its own, since a `lax.cond` around drafting would copy the draft's KV pools every step
-        on XLA:CPU), or None when the base's update needs its propose."""
+        on XLA:CPU; vanilla's decode step and `record` where the base defers its update), or
+        None when the base's update needs its propose."""
         if not self.base.propose_may_be_skipped:
             return None
         return dataclasses.replace(self, drafting=False)
