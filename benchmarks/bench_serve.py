@@ -4,11 +4,15 @@ For each method the script starts a server in this process (the scheduler and th
 `specjax serve`, on a free local port), warms it up, then sends `--requests` streamed chat
 requests per concurrency level from that many client threads (greedy, up to --max-tokens new
 tokens), like genai-perf's fixed-concurrency runs. All methods' servers run at once and take
-turns: each level runs its prompts once untimed on each (it compiles the shapes they meet), then
+turns: each level runs its prompts untimed on each until a pass compiles (almost) nothing, at
+most `--warm-passes` times (the batch and prefill shapes a pass meets depend on when requests
+arrive and finish, so one pass does not meet them all), then
 `--repeat` rounds of one timed pass per method, method after method, so a slow spell of the
 machine falls on all of them; the fastest pass is reported (a shape first met in a timed pass
 compiles there), each with the prefix cache and suffix decoding's
 global cache emptied first (`@warm` keeps the global cache: the same requests come back).
+Each row also lists every timed pass's wall, the seconds JAX spent compiling in it (a pass that
+compiled is slow for that reason), and per round the first method's wall over this method's.
 Per level: time to first token, inter-token latency (per request: (last - first token time) /
 (tokens - 1)), the longest wait between two streamed chunks of any request (what a long
 prompt's prefill costs the running ones), output tokens per second (all answers' tokens over
@@ -51,6 +55,26 @@ def settings_of(suffixes, i: int) -> dict:
     if "sampled" in suffixes:
         return {**SAMPLED, "seed": i}
     return {"temperature": 0}
+
+
+COMPILE_S = [0.0]  # seconds JAX has spent tracing, lowering and compiling in this process
+
+
+def _count_compiles():
+    import jax.monitoring
+
+    def seen(name, secs, **_):
+        if name.startswith("/jax/core/compile/"):
+            COMPILE_S[0] += secs
+
+    jax.monitoring.register_event_duration_secs_listener(seen)
+
+
+def timed_level(*args, **kwargs):
+    """`run_level`, and the seconds JAX spent compiling during it."""
+    before = COMPILE_S[0]
+    records, wall = run_level(*args, **kwargs)
+    return records, wall, COMPILE_S[0] - before
 
 
 def run_level(url, prompts, concurrency, max_tokens, settings=lambda i: {"temperature": 0}):
@@ -174,6 +198,12 @@ def main():
         default=1,
         help="timed passes per level (the fastest is reported)",
     )
+    ap.add_argument(
+        "--warm-passes",
+        type=int,
+        default=3,
+        help="untimed passes per method and level, at most: they stop once one compiled < 0.5 s",
+    )
     args = ap.parse_args()
 
     from tqdm import tqdm
@@ -187,6 +217,7 @@ def main():
     from specjax.serving.server import create_app, running_in_thread
 
     enable_compile_cache()
+    _count_compiles()
     model = load_model(args.model)
     levels = [int(c) for c in args.concurrency.split(",")]
     n = max(args.requests, max(levels))
@@ -212,18 +243,24 @@ def main():
             running.append((text, suffixes, sched, url))
         for c in tqdm(levels, desc="levels"):
             passes = {text: [] for text, *_ in running}
-            for _, suffixes, _, url in running:  # compiles what the level meets
-                run_level(url, prompts, c, args.max_tokens, functools.partial(settings_of, suffixes))
+
+            def fresh_pass(suffixes, sched, url):
+                sched.engine.allocator.forget_prefixes()  # (idle now) the pass prefills in full
+                if "warm" not in suffixes:  # nor does it find its own answers in suffix caches
+                    for cache in caches_of(sched.proposer_params):
+                        cache.reset()
+                return timed_level(url, prompts, c, args.max_tokens, functools.partial(settings_of, suffixes))
+
+            for _, suffixes, sched, url in running:  # compiles what the level's passes meet
+                for _ in range(args.warm_passes):  # which shapes a pass meets depends on timing
+                    if fresh_pass(suffixes, sched, url)[2] < 0.5:
+                        break
             for _ in range(args.repeat):  # method after method, so a slow spell hits them all
                 for text, suffixes, sched, url in running:
-                    sched.engine.allocator.forget_prefixes()  # (idle now) the timed pass prefills in full
-                    if "warm" not in suffixes:  # nor does it find its own answers in suffix caches
-                        for cache in caches_of(sched.proposer_params):
-                            cache.reset()
-                    settings = functools.partial(settings_of, suffixes)
-                    passes[text].append(run_level(url, prompts, c, args.max_tokens, settings))
+                    passes[text].append(fresh_pass(suffixes, sched, url))
+            first = passes[running[0][0]]
             for text, *_ in running:
-                records, wall = min(passes[text], key=lambda p: p[1])
+                records, wall, _ = min(passes[text], key=lambda p: p[1])
                 texts = [r["text"] for r in records]
                 if reference is None:
                     reference = texts
@@ -232,7 +269,9 @@ def main():
                     "concurrency": c,
                     **summarize(records, wall),
                     "same_as_first_method": sum(a == b for a, b in zip(texts, reference)),
-                    "walls_s": [round(w, 2) for _, w in passes[text]],
+                    "walls_s": [round(w, 2) for _, w, _ in passes[text]],
+                    "compile_s": [round(x, 2) for _, _, x in passes[text]],
+                    "vs_first_by_round": [round(f[1] / w, 3) for f, (_, w, _) in zip(first, passes[text])],
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -259,14 +298,15 @@ def main():
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "new_settings": probes}, indent=1))
     head = (
         "| method | concurrency | output tok/s | vs first | TTFT mean / p50 ms | ITL ms | "
-        "longest stall ms | tokens per step | same text |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "longest stall ms | tokens per step | same text | vs first by round | compile s by pass |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
         f"| {r['method']} | {r['concurrency']} | {r['output_tokens_per_s']} | "
         f"{r['throughput_vs_first']:.2f}x | {r['ttft_ms_mean']} / {r['ttft_ms_p50']} | "
         f"{r['itl_ms_mean']} | {r['stall_ms_max']} | {r['tokens_per_step']} | "
-        f"{r['same_as_first_method']}/{r['requests']} |\n"
+        f"{r['same_as_first_method']}/{r['requests']} | "
+        f"{', '.join(f'{x:.2f}' for x in r['vs_first_by_round'])} | {', '.join(map(str, r['compile_s']))} |\n"
         for r in rows
     )
     out.with_suffix(".md").write_text(f"{meta}\n\n{head}{body}")
