@@ -243,8 +243,6 @@ def _grafted(config, target: Model):
     except ValueError as e:
         raise MethodError(f"`lookup_tokens`: {e}") from None
     plain = dict(lookup_tokens=None, lookup_width=None, lookup_method=None)
-    if config.lookup_width is not None and getattr(config, "acceptance", "") is None:
-        plain["acceptance"] = "match"  # a width cuts trees by what they drafted
     base, params = _build(dataclasses.replace(config, **plain), target)
     try:
         graft = LookupGraftProposer(base, lookup, width=config.lookup_width, lookup_params=cache is not None)

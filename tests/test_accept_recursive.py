@@ -392,8 +392,8 @@ def test_beam_values_are_gumbels_conditioned_on_their_parent():
 
 def test_static_trees_drawn_for_recursive_must_hold_first_draws():
     """Medusa and EAGLE-1 draw their static trees for `recursive` only where each node's
-    children are its first draws (ranks 0, 1, .. with none missing) and no graft width cuts
-    the tree by what it drew; the refusals are one line each. A floor applies to top-k trees
+    children are its first draws (ranks 0, 1, .. with none missing) (a graft's width cuts only
+    greedy steps' trees, tests/test_lookup_graft.py); the refusals are one line each. A floor applies to top-k trees
     alone, so it may stay set."""
     import dataclasses
 
@@ -425,6 +425,5 @@ def test_static_trees_drawn_for_recursive_must_hold_first_draws():
         dataclasses.replace(medusa, posterior_threshold=0.09)
     with pytest.raises(ValueError, match="match, recursive or traversal rule, not 'residual'"):
         dataclasses.replace(medusa, acceptance="residual")
-    with pytest.raises(ValueError, match="recursive rule verifies whole drawn trees: give no width"):
-        LookupGraftProposer(medusa, PromptLookupProposer(3, 2, 1), width=8)
+    LookupGraftProposer(medusa, PromptLookupProposer(3, 2, 1), width=8)  # cuts greedy trees alone
     LookupGraftProposer(dataclasses.replace(medusa, acceptance="match"), width=8)

@@ -112,6 +112,34 @@ def test_grafted_paths_are_no_longer_than_max_path_len():
         assert deepest + 1 == graft.max_path_len  # the bound is reached
 
 
+def test_a_graft_width_cuts_greedy_trees_and_never_drawn_ones():
+    """Under a rule that draws its trees when sampling, the width cuts the tree's last nodes in
+    greedy steps only; a sampled step verifies the drawn tree whole plus the chain."""
+    from specjax.sampling import SamplingConfig
+    from specjax.spec_decode import SpecContext
+
+    @dataclasses.dataclass(frozen=True)
+    class Base(ProposerBase):  # the tree of `_tree`, whatever the sampling
+        tree_size: int = 4
+        max_path_len: int = 3
+        rule: str = "recursive"
+        rules: tuple = ("match", "recursive")
+
+        def propose(self, params, state, ctx, keys, sampling):
+            return _tree(ctx.tokens.shape[0]), state
+
+    tokens = jnp.asarray([[20, 21, 22, 23, 24, 20, 21, 0, 0, 0, 0, 0]])  # "20 21" again: 22 23 24 follow
+    ctx = SpecContext(tokens, jnp.asarray([7]), jnp.zeros((1, 4), jnp.int32))
+    graft = LookupGraftProposer(Base(), PromptLookupProposer(3, 2, 2), width=5)
+    kept = {}
+    for greedy in (True, False):
+        sampling = SamplingConfig() if greedy else SamplingConfig(temperature=1.0)
+        tree, _ = graft.propose(None, (), ctx, jnp.zeros((1, 2), jnp.uint32), sampling)
+        kept[greedy] = np.asarray(tree.tokens[0])[np.asarray(tree.valid[0])].tolist()
+    assert kept[True] == [5, 7, 22, 23, 24]  # two tree nodes give way: 5 wide
+    assert kept[False] == [5, 7, 8, 9, 22, 23, 24]  # the drawn tree whole
+
+
 def test_graft_never_shares_nodes_acceptance_may_not_follow():
     """A node acceptance skips (Lookahead's window) is not a prefix of the grafted chain."""
     g = graft_chain(_tree(1, acceptable=[True, False, True, True]), jnp.asarray([[7, 9]]), jnp.asarray([2]))

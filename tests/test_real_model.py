@@ -148,14 +148,14 @@ def test_random_heads_fail_the_acceptance_bound(smol, dev_vanilla, tmp_path):
 def test_methods_without_options_run_the_documented_defaults(smol):
     """`specjax generate --method M` on the embedded model builds what the README and
     docs/methods.md call M's default on a CPU: the shipped heads' recommended settings, a
-    prompt-lookup graft of 5 tokens (EAGLE-2: 8; n-grams of 2 or 3) included; `no_lookup` drops
-    the graft."""
+    prompt-lookup graft of 5 tokens (EAGLE-2: 10 within a verify width of 12; n-grams of 2 or
+    3) included; `no_lookup` drops the graft."""
     from specjax.method_configs import EagleConfig
     from specjax.methods import make_proposer
     from specjax.proposers.eagle import EagleDynamicProposer
     from specjax.proposers.lookup_graft import LookupGraftProposer
 
-    def graft_of(proposer, tokens=5):
+    def graft_of(proposer, tokens=5, width=None):
         assert isinstance(proposer, LookupGraftProposer)
         lookup = proposer.lookup
         assert (
@@ -163,11 +163,11 @@ def test_methods_without_options_run_the_documented_defaults(smol):
             lookup.min_matching_ngram_size,
             lookup.max_matching_ngram_size,
             proposer.width,
-        ) == (tokens, 2, 3, None)
+        ) == (tokens, 2, 3, width)
         return proposer.base
 
     eagle2, params = make_proposer("eagle2", smol)
-    base = graft_of(eagle2, tokens=8)
+    base = graft_of(eagle2, tokens=10, width=12)
     assert isinstance(base, EagleDynamicProposer)
     assert (base.total_tokens, base.depth, base.top_k) == (4, 2, 2)
     assert params["lm_head"].shape[0] == params["draft_ids"].shape[0] == 4096

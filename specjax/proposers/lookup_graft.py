@@ -93,6 +93,9 @@ class LookupGraftProposer(ProposerWrapper):
     choices: `likely_widths`). `width`: the widest a step with a lookup continuation verifies;
     the base tree's last (for EAGLE-2, lowest-ranked) nodes give way to the continuation's. On a
     CPU, where each verified row past ~8 costs compute, that keeps a larger tree affordable.
+    Under a rule that draws its trees (`recursive`, `traversal`) the width applies to greedy
+    steps only: a sampled step's drawn tree is verified whole, since cutting a drawn node by
+    what the chain drafted would make its presence depend on its token.
     """
 
     base: Any
@@ -107,11 +110,6 @@ class LookupGraftProposer(ProposerWrapper):
             raise ValueError(
                 "a prompt-lookup graft needs a proposer verified with the lossless "
                 f"`match`, `recursive` or `traversal` rule, not {self.base.rule!r}"
-            )
-        if self.width is not None and self.base.rule in DRAWN_RULES:
-            raise ValueError(
-                "a graft's width cuts the tree by what it drafted, and the "
-                f"{self.base.rule} rule verifies whole drawn trees: give no width"
             )
         if self.width is not None and self.width < 2:
             raise ValueError(
@@ -151,4 +149,5 @@ class LookupGraftProposer(ProposerWrapper):
         tree, state = self.base.propose(base_params, state, ctx, keys, sampling)
         found, _ = self.lookup.propose(lookup_params, (), ctx, keys, sampling)
         count = jnp.sum(found.valid[:, 1:], axis=1).astype(jnp.int32)
-        return graft_chain(tree, found.tokens[:, 1:], count, self.width), state
+        drawn = self.base.rule in DRAWN_RULES and not sampling.greedy
+        return graft_chain(tree, found.tokens[:, 1:], count, None if drawn else self.width), state
