@@ -285,7 +285,8 @@ class HeadMethod(_NgramMatch):
     lookup_width: int | None = option(
         None,
         "with lookup_tokens: verify a step with a continuation at most W wide, the tree's "
-        "last (lowest-ranked) nodes giving way to its tokens",
+        "last (lowest-ranked) nodes giving way to its tokens (greedy steps; a tree drawn for "
+        "sampling is verified whole)",
         default_text="the heads' decoding_defaults",
         low=1,
         metavar="W",
