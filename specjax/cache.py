@@ -59,6 +59,13 @@ def init_pages(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
     return k, v
 
 
+def slot_address(block_tables, slots, page_size: int):
+    """(page, offset in the page) of cache slots [B, N], through the block tables [B, P] (slots
+    past the table read its last entry)."""
+    at = jnp.clip(slots // page_size, 0, block_tables.shape[1] - 1)
+    return jnp.take_along_axis(block_tables, at, axis=1), slots % page_size
+
+
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from specjax.cache import PagedKVCache
+from specjax.cache import PagedKVCache, slot_address
 from specjax.kernels_pallas import write_paged_kv
 
 
 def _read_slots(pages, block_tables, slots):
     """[B, T, KVH, D] rows of a pool [KVH, P, page_size, D] at cache slots [B, T]."""
-    page_size = pages.shape[2]
-    n = block_tables.shape[1]
-    page = jnp.take_along_axis(block_tables, jnp.clip(slots // page_size, 0, n - 1), axis=1)
+    page, offset = slot_address(block_tables, slots, pages.shape[2])
     page = jnp.clip(page, 0, pages.shape[1] - 1)
-    rows = pages[:, page, slots % page_size]  # [KVH, B, T, D]
+    rows = pages[:, page, offset]  # [KVH, B, T, D]
     return jnp.moveaxis(rows, 0, 2)
 
 

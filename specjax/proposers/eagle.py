@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.cache import PagedKVCache, init_pages
+from specjax.cache import PagedKVCache, init_pages, slot_address
 from specjax.cpu.top_k import top_log_probs
 from specjax.draft_tree import (
     DRAWN_RULES,
@@ -194,17 +194,10 @@ class _EagleBase(ProposerBase):
         last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
         return EagleState(cache.k_pages, cache.v_pages, prompt_len, last, pools[2])
 
-    @staticmethod
-    def _feature_slots(state: EagleState, block_tables, positions):
-        """(page, slot) of `positions` [B, N] in the feature pool, through the block tables."""
-        ps = state.feature_pages.shape[1]
-        at = jnp.clip(positions // ps, 0, block_tables.shape[1] - 1)
-        return jnp.take_along_axis(block_tables, at, axis=1), positions % ps
-
     def record(self, params, state: EagleState, block_tables, positions, features, active):
         """The features of a plain decode step's position, stored for `_caught_up` (inactive
         rows write to the sink page); the draft cache and `lengths` stay where they were."""
-        page, slot = self._feature_slots(state, block_tables, positions[:, None])
+        page, slot = slot_address(block_tables, positions[:, None], state.feature_pages.shape[1])
         page = jnp.where(active[:, None], page, state.feature_pages.shape[0] - 1)
         feats = self._target_features(params, features[:, None]).astype(state.feature_pages.dtype)
         return state.replace(feature_pages=state.feature_pages.at[page, slot].set(feats))
@@ -220,7 +213,7 @@ class _EagleBase(ProposerBase):
         def run(st):
             count = jnp.clip(target - st.lengths, 0, c)
             pos = st.lengths[:, None] + idx
-            page, slot = self._feature_slots(st, ctx.block_tables, pos)
+            page, slot = slot_address(ctx.block_tables, pos, st.feature_pages.shape[1])
             tok = ctx.tokens[rows, jnp.clip(pos + 1, 0, ctx.tokens.shape[1] - 1)]
             valid = idx < count[:, None]
             feats = st.feature_pages[page, slot]
