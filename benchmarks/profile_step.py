@@ -53,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
     ap.add_argument("--category", default="math")
     ap.add_argument("--nth", type=int, default=0, help="which of the category's prompts")
+    ap.add_argument("--batch", type=int, default=1, help="rows: the category's prompts nth, nth + 1, ...")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=10, help="also list the N costliest ops")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -81,8 +82,10 @@ def main(argv=None):
         except json.JSONDecodeError:
             options[key] = value
     model = load_model(args.model)
-    prompt = read_bench_prompts(args.prompts, [args.category], args.nth + 1)[args.nth]
-    ids = encode_prompt(model.tokenizer, prompt["text"], False)
+    prompts = read_bench_prompts(args.prompts, [args.category], args.nth + args.batch)[args.nth :]
+    if len(prompts) < args.batch:
+        ap.error(f"the {args.category} category has {len(prompts) + args.nth} prompts, fewer than nth + batch")
+    ids = [encode_prompt(model.tokenizer, p["text"], False) for p in prompts]
     engine = Engine(model.params, model.config)
     proposer, proposer_params = make_proposer(args.method, model, **options)
     from specjax.sampling import SamplingConfig
@@ -90,12 +93,12 @@ def main(argv=None):
     # whole trees every step, in one loop on the device (the budget's segments would mix widths)
     kw = dict(proposer=proposer, proposer_params=proposer_params, fixed_speculation=True) if proposer else {}
     kw["sampling"] = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    engine.generate([ids], args.max_new_tokens, warmup=True, **kw)  # compiles (and dumps HLO)
+    engine.generate(ids, args.max_new_tokens, warmup=True, **kw)  # compiles (and dumps HLO)
     trace = os.path.join(work, "trace")
     jax.profiler.start_trace(trace)
-    out = engine.generate([ids], args.max_new_tokens, **kw)
+    out = engine.generate(ids, args.max_new_tokens, **kw)
     jax.profiler.stop_trace()
-    steps = out.steps[0]
+    steps = max(out.steps)  # the batch's passes
 
     scopes = op_scopes(dump)
     per_phase, per_op, counts = collections.Counter(), collections.Counter(), collections.Counter()
@@ -117,7 +120,7 @@ def main(argv=None):
     total = sum(per_phase.values())
     label = " ".join([args.method, *args.option])
     print(
-        f"{label}: {steps} steps for {len(out.token_ids[0])} tokens "
+        f"{label}: {steps} steps for {sum(map(len, out.token_ids))} tokens over {len(ids)} rows "
         f"({out.seconds / steps * 1e3:.2f} ms per step wall, profiler on)"
     )
     for phase, ns in per_phase.most_common():

@@ -273,7 +273,8 @@ def test_the_speculation_budget_keeps_answers_and_cuts_trees(target, kind):
 def test_the_budget_picks_the_fastest_width_and_probes_the_others_ever_less():
     """The server's choice among middle widths (`SpeculationBudget.segment`, as the engine's):
     each width measured once first, the whole tree first; then the fastest, the others probed
-    after `probe_every` rounds, then after twice as many each time while they keep losing."""
+    after `probe_every` rounds, then after twice as many each time while they keep losing, each
+    wait stretched by how much dearer the probed width's step is than the best's."""
     from specjax.serving.budget import SpeculationBudget
 
     b = SpeculationBudget((1, 4, 9), probe_every=4)
@@ -285,10 +286,11 @@ def test_the_budget_picks_the_fastest_width_and_probes_the_others_ever_less():
         tried.append(w)
         b.record(8, w, 10, 10 * measured[w][0], measured[w][1])
     assert tried == [9, 4, 1]
-    # tokens per second: 9 -> 2.78, 4 -> 5.0, 1 -> 4.0; plain decoding's gain is known exactly
+    # tokens per second: 9 -> 2.78, 4 -> 5.0, 1 -> 4.0; plain decoding's gain is known exactly.
+    # A step of 9 costs 2.25x one of 4: waits of 4, 8, 16 rounds become 9, 18, 36.
     picks = [b.segment(8, False, max_gain=9) for _ in range(64)]
     probes = [n for n, (w, probe) in enumerate(picks, 1) if probe]
-    assert [w for w, _ in picks].count(4) == 60 and probes == [5, 13, 29, 61]
+    assert [w for w, _ in picks].count(4) == 61 and probes == [10, 28, 64]
     assert all(picks[n - 1] == (9, True) for n in probes)
     assert b.probe_steps(8, 9, 4) == 2 and b.probe_steps(8, 9, 1) == 1  # cut, never past a round
     b.record(1, 9, 10, 10 * 0.1, 2.5)  # a batch of one row: the whole tree is cheap there
@@ -332,17 +334,18 @@ def test_the_engines_segments_probe_drafting_on_new_text():
     assert b.segment(1, False, max_gain=9) == (1, True)
     b.record(1, 1, 8, 8 * 0.01, 1.0)
     plans = [b.segment(1, n % 3 == 0, max_gain=9) for n in range(1, 30)]  # some calls start anew
-    # probes after 4 segments, then 8, then 16 as drafting keeps losing (call starts or not)
-    assert [n for n, plan in enumerate(plans, 1) if plan == (9, True)] == [5, 13, 29]
-    assert plans.count((1, False)) == 26
+    # probes after 4 segments, then 8 as drafting keeps losing (call starts or not), each wait
+    # doubled since a drafting step costs twice a plain one
+    assert [n for n, plan in enumerate(plans, 1) if plan == (9, True)] == [9, 25]
+    assert plans.count((1, False)) == 27
     b.record(1, 9, 8, 8 * 0.02, 3.6)  # a periodic probe meets code: three tokens a step
     assert b.segment(1, False, max_gain=9) == (9, False)
     b.record(1, 9, 64, 64 * 0.02, 1.0)  # chat again: plain decoding is faster now
     assert b.segment(1, False, max_gain=9) == (1, False)
     # but drafting once paid: a new call tries it, then the 2nd and the 4th call after while it
-    # loses (call 4: the periodic probe, 4 segments after drafting stopped being the best)
-    calls = [b.segment(1, True, max_gain=9) for _ in range(7)]
-    assert [c for c, plan in enumerate(calls, 1) if plan == (9, True)] == [1, 3, 4, 7]
+    # loses (call 8: the periodic probe, 2 x 4 segments after drafting stopped being the best)
+    calls = [b.segment(1, True, max_gain=9) for _ in range(8)]
+    assert [c for c, plan in enumerate(calls, 1) if plan == (9, True)] == [1, 3, 7, 8]
     assert b.probe_steps(1, 9, 8) == 4  # a probe of a width twice as costly: half as long
     slow = SpeculationBudget((1, 9), probe_every=4, decay=0.5)
     slow.record(1, 9, 8, 8 * 0.5, 1.0)  # a step 50x plain's: no acceptance of 9 nodes pays that

@@ -143,10 +143,13 @@ class SpeculationBudget:
         width probed after `probe_every` segments, and at a call's start (new text, new
         acceptance) if it was once the fastest (its best round's tokens per second beat the
         best width's now); each kind of probe waits twice as long after each one (up to
-        MAX_PROBE_INTERVAL segments or calls) until the width is the best again, and none runs
-        if its measured cost is over `max_gain` (the most tokens a step can gain) times the
-        best's. So a drafter that does not pay on this device costs fewer and fewer steps, and
-        one that pays on some text is found there."""
+        MAX_PROBE_INTERVAL segments or calls) until the width is the best again, the periodic
+        probes' waits stretched by how much dearer a step of the width is than the best's (so
+        they cost about the same share of the time whatever the width: at 16 rows on a CPU a
+        whole EAGLE-2 tree's step costs ~7x a plain one), and none runs if its measured cost is over
+        `max_gain` (the most tokens a step can gain) times the best's. So a drafter that does
+        not pay on this device costs fewer and fewer steps, and one that pays on some text is
+        found there."""
         for w in reversed(self.widths):
             if (rows, w) not in self.cost or w not in self.gain:
                 return w, True
@@ -159,7 +162,7 @@ class SpeculationBudget:
             self.next_probe.pop((kind, rows, best), None)
         may_pay = [w for w in self.widths if w not in (1, best) and cost[w] < max_gain * cost[best]]
         for w in may_pay:
-            if self._probe_due(("segment", rows, w), n, self.probe_every):
+            if self._probe_due(("segment", rows, w), n, self.probe_every, cost[w] / cost[best]):
                 return w, True
         if call_start:
             for w in may_pay:
@@ -178,14 +181,16 @@ class SpeculationBudget:
         ratio = self.cost_of(rows, best) / self.cost_of(rows, width)
         return min(steps, max(2, round(steps * ratio)))
 
-    def _probe_due(self, key, now: int, first_wait: int) -> bool:
+    def _probe_due(self, key, now: int, first_wait: int, dearer: float = 1.0) -> bool:
         """Whether the probe `key` runs at `now` (a segment or call count); if so, the next waits
-        twice as long as the last wait (the first: `first_wait`, then at least 2)."""
-        at, wait = self.next_probe.setdefault(key, (now + first_wait, max(first_wait, 1)))
+        twice as long as the last wait (the first: `first_wait`, then at least 2), each wait
+        stretched by `dearer` (the width's cost per step over the best's) where that is > 1."""
+        stretch = max(1.0, dearer)
+        at, wait = self.next_probe.setdefault(key, (now + round(first_wait * stretch), max(first_wait, 1)))
         if now < at:
             return False
         wait = min(2 * wait, MAX_PROBE_INTERVAL)
-        self.next_probe[key] = (now + wait, wait)
+        self.next_probe[key] = (now + round(wait * stretch), wait)
         return True
 
     def record(self, rows: int, width: int, steps: int, seconds: float, tokens_per_request: float):
