@@ -50,9 +50,6 @@ class SpecContext:
     # tree (Lookahead reads its Jacobi window's next iterate from it; 0 past verify's width and,
     # when sampling, outside the proposer's `argmax_nodes`).
     node_argmax: jax.Array | None = None
-    # In init(): a proposer that defers its update may defer the prompt's draft work too, to
-    # its first propose (a server, whose rows at a busy batch may never draft; `defers_update`)
-    defer_prompt: bool = struct.field(pytree_node=False, default=False)
 
 
 class Proposer(Protocol):

@@ -150,32 +150,6 @@ def test_recorded_plain_steps_catch_up_to_the_token_by_token_state(target):
     assert int(again.lengths[0]) == 12  # nothing left to catch up on: no pass
 
 
-def test_a_deferred_prompt_caught_up_equals_init(target):
-    """init() deferred (`SpecContext.defer_prompt`, as the server runs it) stores the prompt's
-    features and runs no draft pass; the first catch-up (a wide pass, then a narrow one)
-    gives the state init() gives: same draft length, next prediction and K/V."""
-    import numpy as np
-
-    draft_cfg, net = random_eagle(jax.random.PRNGKey(5))
-    proposer = EagleChainProposer(draft_cfg, max_draft_len=3)
-    object.__setattr__(proposer, "CATCH_UP", 2)
-    object.__setattr__(proposer, "CATCH_UP_WIDE", 10)  # 12 pairs: a pass of 10, then one of 2
-    pparams = {"net": net, "embed": target["embed"], "lm_head": lm_head_weight(target)}
-    full = [3, 9, 27, 17, 51, 25, 11, 33, 35, 41, 7, 8, 2]
-    eager, ctx = _draft_state(target, proposer, pparams, full)
-    deferred, _ = _draft_state(target, proposer, pparams, full, defer=True)
-    assert int(deferred.lengths[0]) == 0 and not np.any(np.asarray(deferred.k_pages[0]))  # no pass
-    caught = jax.jit(proposer._caught_up)(pparams, deferred, ctx)
-    assert int(caught.lengths[0]) == int(eager.lengths[0]) == 12
-    np.testing.assert_allclose(np.asarray(caught.next_hidden), np.asarray(eager.next_hidden), rtol=1e-4, atol=1e-5)
-    for a, b in zip(caught.k_pages + caught.v_pages, eager.k_pages + eager.v_pages):  # slots 0..11: pages 0..2
-        np.testing.assert_allclose(np.asarray(a[:, :3]), np.asarray(b[:, :3]), rtol=1e-4, atol=1e-5)
-    tree, _ = _propose(proposer, pparams, deferred, ctx)  # propose catches up first
-    np.testing.assert_array_equal(
-        np.asarray(tree.tokens), np.asarray(_propose(proposer, pparams, eager, ctx)[0].tokens)
-    )
-
-
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 def test_plain_segments_then_drafting_draft_as_if_updated_token_by_token(target, kind, monkeypatch):
     """With the budget forced to alternate plain and drafting segments of 3 steps, an EAGLE
@@ -260,9 +234,8 @@ def _prefilled_cache(target, prompt):
     return prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]))[0]
 
 
-def _draft_state(target, proposer, pparams, prompt, feature_layers=(), defer=False):
-    """Proposer state and context after prefilling `prompt` (batch 1; `defer`: init() as a
-    server runs it, `SpecContext.defer_prompt`)."""
+def _draft_state(target, proposer, pparams, prompt, feature_layers=()):
+    """Proposer state and context after prefilling `prompt` (batch 1)."""
     from specjax import PagedKVCache
     from specjax.cache import init_pages
     from specjax.generate import prefill
@@ -275,9 +248,9 @@ def _draft_state(target, proposer, pparams, prompt, feature_layers=(), defer=Fal
     chunk = jnp.zeros((1, 16), jnp.int32).at[0, : n - 1].set(jnp.asarray(prompt[:-1]))
     cache, last, hidden = prefill(target, CFG, cache, chunk, jnp.asarray([n - 1]), tuple(feature_layers))
     buf = jnp.zeros((1, 96), jnp.int32).at[0, :n].set(jnp.asarray(prompt))
-    ctx = SpecContext(buf, jnp.asarray([n]), cache.block_tables, last, prompt_hidden=hidden, defer_prompt=defer)
+    ctx = SpecContext(buf, jnp.asarray([n]), cache.block_tables, last, prompt_hidden=hidden)
     state = jax.jit(proposer.init)(pparams, proposer.make_pools(32, 4, jnp.float32), ctx, chunk, jnp.asarray([n - 1]))
-    return state, ctx.replace(defer_prompt=False)
+    return state, ctx
 
 
 @functools.lru_cache(maxsize=None)

@@ -118,12 +118,11 @@ def test_staggered_requests_get_the_answer_they_get_alone(target, kind, sampling
 def test_a_broken_merge_is_caught(target, monkeypatch):
     """Control: admitting rows without their proposer state (the merge skipped) leaves the
     greedy tokens alone (verification keeps them the target's) but not the steps they take, so
-    the test above can fail. (EAGLE's deferred init gives a state an empty slot has too, so
-    only a slot that served an earlier request shows it: 6 requests through 2 slots.)"""
+    the test above can fail."""
     import specjax.serving.scheduler as sched_mod
 
     proposer, pparams = random_eagle2(CFG, target)
-    prompts = _prompts(6, seed=1)
+    prompts = _prompts(4, seed=1)
     alone = Engine(target, CFG, num_pages=64, page_size=8)
     want = [
         alone.generate([p], 12, proposer=proposer, fixed_speculation=True, proposer_params=pparams).steps[0]
@@ -224,10 +223,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_rounds(target, kind, sampl
         assert [h.steps for h in handles] == [o.steps[0] for o in outs]
     assert rounds >= 7 and whole_rounds <= 2, (rounds, whole_rounds)
     pools = [(e.k_pages, e.v_pages, e._proposer_pools.get(proposer)) for e in (engine, whole_engine)]
-    n = engine.allocator.num_pages  # the sink page after them holds what idle rows wrote
-    for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in pools)):  # K/V [kv heads, pages, ...]
-        real = (slice(None), slice(n)) if a.ndim == 4 else slice(n)  # EAGLE's features [pages, ...]
-        np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=1e-3, atol=1e-3)
+    for a, b in zip(*(jax.tree_util.tree_leaves(p) for p in pools)):  # [kv heads, pages, ...]
+        n = engine.allocator.num_pages  # the sink page after them holds what idle rows wrote
+        np.testing.assert_allclose(np.asarray(a)[:, :n], np.asarray(b)[:, :n], rtol=1e-3, atol=1e-3)
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 

@@ -127,9 +127,6 @@ class _EagleBase(ProposerBase):
     # recorded pairs through the network, CATCH_UP positions per row per pass
     defers_update = True
     CATCH_UP = 16
-    # a lag of at least half this many positions (a prompt whose init was deferred) first runs
-    # in passes this wide
-    CATCH_UP_WIDE = 128
 
     @property
     def feature_layers(self) -> tuple:
@@ -191,30 +188,11 @@ class _EagleBase(ProposerBase):
         nxt = ctx.tokens[rows, jnp.clip(start[:, None] + idx + 1, 0, ctx.tokens.shape[1] - 1)]  # t + 1
         count = prompt_len - start  # pairs to run; those before `start` are in shared pages
         valid = idx < count[:, None]
-        feats = self._target_features(params, ctx.prompt_hidden)
         cache = PagedKVCache(pools[0], pools[1], ctx.block_tables, start)
-        if ctx.defer_prompt:
-            out = jax.eval_shape(self._run_chain, params, cache, nxt, feats, start, valid)[0]
-            return self._stored_prompt(pools, ctx, feats, start, valid, out.dtype)
+        feats = self._target_features(params, ctx.prompt_hidden)
         h, cache = self._run_chain(params, cache, nxt, feats, start, valid)
         last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
         return EagleState(cache.k_pages, cache.v_pages, prompt_len, last, pools[2])
-
-    def _stored_prompt(self, pools, ctx, feats, start, valid, dtype):
-        """init() deferred (`SpecContext.defer_prompt`): the prompt's features go to the feature
-        pool and the draft cache starts empty, so the first propose runs every pair from
-        position 0 (`_caught_up`) and a row that never drafts pays nothing for the head. From
-        0, not `start`: the shared prefix pages' draft entries may not be computed yet (their
-        features are: whoever prefilled them stored them), and recomputing them writes what is
-        there (the pages are keyed by token pairs, so the entries are the same)."""
-        b, w = valid.shape
-        k_pages, v_pages, pool = pools
-        pos = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
-        page, slot = slot_address(ctx.block_tables, pos, pool.shape[1])
-        page = jnp.where(valid, page, pool.shape[0] - 1)  # padding writes to the sink page
-        pool = pool.at[page, slot].set(feats.astype(pool.dtype))
-        zeros = jnp.zeros((b,), jnp.int32)
-        return EagleState(k_pages, v_pages, zeros, jnp.zeros((b, feats.shape[-1]), dtype), pool)
 
     def record(self, params, state: EagleState, block_tables, positions, features, active):
         """The features of a plain decode step's position, stored for `_caught_up` (inactive
@@ -226,18 +204,10 @@ class _EagleBase(ProposerBase):
 
     def _caught_up(self, params, state: EagleState, ctx):
         """The state with every pair up to the pending token in the draft cache: the pairs that
-        plain decode steps recorded (or a deferred init stored) run through the network
-        CATCH_UP positions per row per pass, as init() runs a prompt's, after passes of
-        CATCH_UP_WIDE while some row lags by half that or more (no pass at all when nothing
-        is pending)."""
+        plain decode steps recorded run through the network CATCH_UP positions per row per
+        pass, as init() runs a prompt's (no pass at all when nothing was recorded)."""
+        b, c = ctx.tokens.shape[0], self.CATCH_UP
         target = ctx.lengths - 1
-        wide = self.CATCH_UP_WIDE
-        state = self._catch_up(params, state, ctx, target, wide, lambda lag: lag >= wide // 2)
-        return self._catch_up(params, state, ctx, target, self.CATCH_UP, lambda lag: lag > 0)
-
-    def _catch_up(self, params, state: EagleState, ctx, target, c: int, behind):
-        """Passes of c positions per row while `behind(lag)` holds for some row."""
-        b = ctx.tokens.shape[0]
         rows, idx = jnp.arange(b)[:, None], jnp.arange(c)[None, :]
 
         def run(st):
@@ -256,7 +226,7 @@ class _EagleBase(ProposerBase):
                 next_hidden=jnp.where((count > 0)[:, None], last, st.next_hidden),
             )
 
-        return jax.lax.while_loop(lambda st: jnp.any(behind(target - st.lengths)), run, state)
+        return jax.lax.while_loop(lambda st: jnp.any(st.lengths < target), run, state)
 
     def propose(self, params, state: EagleState, ctx, keys, sampling):
         return self._propose(params, self._caught_up(params, state, ctx), ctx, keys, sampling)

@@ -444,7 +444,6 @@ class Scheduler:
             cache.block_tables,
             features,
             prompt_hidden=jnp.zeros((b, 16, width), engine.dtype),
-            defer_prompt=True,
         )
         pstate = init_proposer(
             p,
@@ -471,9 +470,6 @@ class Scheduler:
         c = state.cache
         return state.replace(
             done=state.done.at[idx].set(True),
-            # one token, as an empty slot has: a drafter that catches up on pending positions
-            # (EAGLE) finds none in a free slot
-            lengths=state.lengths.at[idx].set(1),
             cache=c.replace(block_tables=c.block_tables.at[idx].set(self.engine.allocator.num_pages)),
         )
 
@@ -671,7 +667,6 @@ class Scheduler:
             last,
             prompt_hidden=hidden,
             prompt_start=jnp.asarray(start, jnp.int32),
-            defer_prompt=True,  # a row of a busy batch may never draft (the budget's width 1)
         )
         fresh = init_proposer(
             p,
